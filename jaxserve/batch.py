@@ -1,0 +1,98 @@
+"""One step's inputs as data: the ragged batch, built in host numpy and padded to a compile bucket.
+
+A step runs `num_seqs` sequences. Sequence s contributes `q_len[s]` new tokens (a prefill chunk or one decode
+token), laid out contiguously: tokens `cu_q_lens[s]:cu_q_lens[s+1]`. Everything past the real tokens/sequences is
+padding: padding tokens write their KV into page 0 (the sink), padding sequences have length 0 and an all-zero
+block table, and padding logits rows read token 0 and are ignored by the host.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepInputs:
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    slot_mapping: jax.Array  # i32[T]
+    block_tables: jax.Array  # i32[S, max_pages]
+    seq_lens: jax.Array  # i32[S]  kv length of each sequence after this step
+    cu_q_lens: jax.Array  # i32[S+1]
+    num_seqs: jax.Array  # i32[]
+    logits_indices: jax.Array  # i32[S]  token whose logits each sequence needs (its last new token)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    num_tokens: int  # T
+    num_seqs: int  # S
+    max_pages: int  # pages per block-table row
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """What one sequence contributes to a step: `token_ids` at positions `start .. start+len-1`."""
+
+    token_ids: list[int]
+    start: int  # position of token_ids[0]
+    page_ids: list[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
+
+
+def smallest_at_least(buckets: tuple[int, ...], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def choose_bucket(
+    num_tokens: int, num_pages: int, token_buckets: tuple[int, ...], page_buckets: tuple[int, ...], max_num_seqs: int
+) -> Bucket:
+    T = smallest_at_least(token_buckets, num_tokens)
+    return Bucket(num_tokens=T, num_seqs=min(T, max_num_seqs), max_pages=smallest_at_least(page_buckets, num_pages))
+
+
+def build_step_inputs(seqs: list[ScheduledSeq], bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
+    """Host numpy arrays for one step, padded to `bucket` (the runner does the single device transfer)."""
+    T, S, max_pages = bucket.num_tokens, bucket.num_seqs, bucket.max_pages
+    if len(seqs) > S:
+        raise ValueError(f"{len(seqs)} sequences exceed the bucket's {S}")
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.zeros(T, np.int32)  # padding -> slot 0 of page 0
+    block_tables = np.zeros((S, max_pages), np.int32)
+    seq_lens = np.zeros(S, np.int32)
+    cu_q_lens = np.zeros(S + 1, np.int32)
+    logits_indices = np.zeros(S, np.int32)
+    t = 0
+    for s, sq in enumerate(seqs):
+        n = len(sq.token_ids)
+        pos = np.arange(sq.start, sq.start + n, dtype=np.int32)
+        pages = np.asarray(sq.page_ids, np.int32)
+        token_ids[t : t + n] = sq.token_ids
+        positions[t : t + n] = pos
+        slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
+        block_tables[s, : len(pages)] = pages
+        seq_lens[s] = sq.start + n
+        t += n
+        cu_q_lens[s + 1] = t
+        logits_indices[s] = t - 1
+    if t > T:
+        raise ValueError(f"{t} tokens exceed the bucket's {T}")
+    cu_q_lens[len(seqs) + 1 :] = t
+    return dict(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        cu_q_lens=cu_q_lens,
+        num_seqs=np.asarray(len(seqs), np.int32),
+        logits_indices=logits_indices,
+    )

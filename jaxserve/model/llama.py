@@ -1,0 +1,118 @@
+"""Llama-family forward pass (Llama 2/3.x, Mistral, Qwen2, Qwen3) over a paged KV cache, as a pure function.
+
+The variants differ only in data the config carries: GQA/MQA head counts, an explicit head_dim, RoPE scaling,
+tied embeddings, q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
+Layers are stacked on a leading axis and run with `lax.scan`; the KV cache rides in the scan carry so that each
+layer's write is an in-place scatter into the donated buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import attention
+from jaxserve.batch import StepInputs
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, write_kv
+from jaxserve.model.layers import apply_rope, gated_mlp, rms_norm, rope_inv_freq
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LayerWeights:
+    """One array per parameter, stacked over layers (leading axis L). Linear weights are [in, out]."""
+
+    attn_norm: jax.Array  # f[L, D]
+    wq: jax.Array  # f[L, D, N*H]
+    wk: jax.Array  # f[L, D, K*H]
+    wv: jax.Array  # f[L, D, K*H]
+    wo: jax.Array  # f[L, N*H, D]
+    mlp_norm: jax.Array  # f[L, D]
+    w_gate: jax.Array  # f[L, D, F]
+    w_up: jax.Array  # f[L, D, F]
+    w_down: jax.Array  # f[L, F, D]
+    bq: Optional[jax.Array] = None  # f[L, N*H]   (Qwen2)
+    bk: Optional[jax.Array] = None  # f[L, K*H]
+    bv: Optional[jax.Array] = None  # f[L, K*H]
+    q_norm: Optional[jax.Array] = None  # f[L, H]  (Qwen3)
+    k_norm: Optional[jax.Array] = None  # f[L, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Weights:
+    embed: jax.Array  # f[V, D]
+    layers: LayerWeights
+    final_norm: jax.Array  # f[D]
+    lm_head: Optional[jax.Array] = None  # f[D, V]; None when tied to `embed`
+
+
+def _attention_block(cfg: ModelConfig, w: LayerWeights, x, positions, inv_freq):
+    """Pre-norm projections and RoPE. x: f[T, D] -> q f[T, N, H], k/v f[T, K, H]."""
+    T = x.shape[0]
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+    q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
+    if w.bq is not None:
+        q, k, v = q + w.bq, k + w.bk, v + w.bv
+    q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
+    if w.q_norm is not None:
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def forward(
+    cfg: ModelConfig,
+    weights: Weights,
+    kv: KVCache,
+    inputs: StepInputs,
+    *,
+    hidden_layer_ids: tuple[int, ...] = (),
+) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """One ragged step: write the new tokens' KV, attend, and return logits at `inputs.logits_indices`.
+
+    Returns (logits f32[S, V], updated cache, hidden f[len(hidden_layer_ids), T, D] or None), where hidden[j] is
+    the residual stream *entering* layer hidden_layer_ids[j] (id == num_layers means the final, pre-norm output).
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    x = weights.embed[inputs.token_ids]  # [T, D]
+
+    def layer(carry, xs):
+        x, k_cache, v_cache = carry
+        w, i = xs
+        with jax.named_scope("attention"):
+            q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq)
+            k_cache, v_cache = write_kv(k_cache, v_cache, i, k, v, inputs.slot_mapping)
+            o = attention.ragged_paged_attention(q, k_cache, v_cache, i, inputs, sm_scale=sm_scale)
+            h = x + o.reshape(x.shape[0], -1) @ w.wo
+        with jax.named_scope("mlp"):
+            out = h + gated_mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
+        return (out, k_cache, v_cache), (x if hidden_layer_ids else None)
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_cache, v_cache), entering = jax.lax.scan(layer, (x, kv.k, kv.v), (weights.layers, layer_ids))
+
+    hidden = None
+    if hidden_layer_ids:
+        stack = jnp.concatenate([entering, x[None]], axis=0)  # [L+1, T, D]
+        hidden = stack[jnp.asarray(hidden_layer_ids)]
+
+    h = rms_norm(x[inputs.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [S, D]
+    logits = compute_logits(weights, h)
+    return logits, KVCache(k=k_cache, v=v_cache), hidden
+
+
+def compute_logits(weights: Weights, h: jax.Array) -> jax.Array:
+    """h: f[R, D] (already final-normed) -> f32[R, V]."""
+    if weights.lm_head is None:
+        out = jnp.einsum("rd,vd->rv", h, weights.embed, preferred_element_type=jnp.float32)
+    else:
+        out = jnp.einsum("rd,dv->rv", h, weights.lm_head, preferred_element_type=jnp.float32)
+    return out

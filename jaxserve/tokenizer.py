@@ -1,0 +1,91 @@
+"""Tokenizer: a HF `tokenizers` tokenizer plus the model's special ids and chat template.
+
+Sources: `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`) in an HF directory, or the tokenizer
+stored in a GGUF file's metadata (built by `jaxserve.loader.gguf`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import tokenizers
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos: bool,
+        chat_template: str | None,
+        use_post_processor: bool = False,
+    ):
+        self._tok = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        # HF tokenizer.json files carry a post-processor that adds BOS itself; GGUF-built ones do not.
+        self._use_post_processor = use_post_processor
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=self._use_post_processor).ids
+        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+
+def _special_id(tok: tokenizers.Tokenizer, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):  # {"content": "<s>", ...}
+        value = value.get("content")
+    return tok.token_to_id(value)
+
+
+def load_hf_tokenizer(path: str, eos_token_ids: Sequence[int] = (), bos_token_id: int | None = None) -> Tokenizer | None:
+    """Tokenizer from an HF directory, or None if it holds no `tokenizer.json`."""
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+        return None
+    tok = tokenizers.Tokenizer.from_file(tok_file)
+    cfg = {}
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+    template = cfg.get("chat_template")
+    jinja = os.path.join(path, "chat_template.jinja")
+    if template is None and os.path.isfile(jinja):
+        with open(jinja) as f:
+            template = f.read()
+    eos = list(eos_token_ids)
+    cfg_eos = _special_id(tok, cfg.get("eos_token"))
+    if cfg_eos is not None and cfg_eos not in eos:
+        eos.append(cfg_eos)
+    bos = bos_token_id if bos_token_id is not None else _special_id(tok, cfg.get("bos_token"))
+    return Tokenizer(
+        tok,
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        add_bos=bool(cfg.get("add_bos_token", False)),
+        chat_template=template,
+        use_post_processor=True,
+    )

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels and their XLA references. Imports nothing from jaxserve."""

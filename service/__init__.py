@@ -1,0 +1,1 @@
+"""Serving endpoints (gRPC, OpenAI HTTP). Filled in by the serving work."""

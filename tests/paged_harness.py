@@ -1,0 +1,48 @@
+"""A minimal driver of the model's ragged step for tests: fixed page assignment, logits at every token."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs
+from jaxserve.kv_cache import init_kv_cache
+from jaxserve.loader import load_checkpoint
+from jaxserve.loader.weights import to_weights
+from jaxserve.model.llama import forward
+
+
+class PagedModel:
+    """Runs ragged steps on a checkpoint; sequence i owns pages [1 + i*pages_per_seq, ...)."""
+
+    def __init__(self, path: str, *, num_seqs: int = 4, page_size: int = 4, pages_per_seq: int = 16, dtype="float32"):
+        ckpt = load_checkpoint(path)
+        self.cfg = ckpt.config
+        self.weights = jax.device_put(to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype)))
+        self.page_size = page_size
+        self.pages_per_seq = pages_per_seq
+        self.kv = init_kv_cache(self.cfg, 1 + num_seqs * pages_per_seq, page_size, jnp.dtype(dtype))
+        self.lengths = [0] * num_seqs
+        self._fwd = jax.jit(functools.partial(forward, self.cfg), donate_argnums=(1,))
+
+    def pages(self, i: int) -> list[int]:
+        return list(range(1 + i * self.pages_per_seq, 1 + (i + 1) * self.pages_per_seq))
+
+    def step(self, chunks: dict[int, list[int]], *, num_tokens: int | None = None) -> dict[int, np.ndarray]:
+        """Feed each sequence i the tokens chunks[i]; return logits f32[len(chunk), V] per sequence."""
+        seqs = [ScheduledSeq(toks, self.lengths[i], self.pages(i)) for i, toks in chunks.items()]
+        T = sum(len(t) for t in chunks.values())
+        bucket = Bucket(num_tokens=num_tokens or T, num_seqs=len(seqs), max_pages=self.pages_per_seq)
+        host = build_step_inputs(seqs, bucket, self.page_size)
+        host["logits_indices"] = np.arange(bucket.num_tokens, dtype=np.int32)
+        logits, self.kv, _ = self._fwd(self.weights, self.kv, StepInputs(**host))
+        logits = np.asarray(logits)
+        out, t = {}, 0
+        for i, toks in chunks.items():
+            out[i] = logits[t : t + len(toks)]
+            t += len(toks)
+            self.lengths[i] += len(toks)
+        return out
