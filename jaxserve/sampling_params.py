@@ -18,7 +18,6 @@ class SamplingParams:
     min_p: float = 0.0  # [0, 1]
     seed: int | None = None
     max_tokens: int | None = 16  # None = up to max_model_len
-    min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -43,14 +42,6 @@ class SamplingParams:
         check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})",
-        )
-        check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-            f"min_tokens must be an integer >= 0 (got {self.min_tokens!r})",
-        )
-        check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
         check(
             self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),

@@ -89,3 +89,30 @@ def load_hf_tokenizer(path: str, eos_token_ids: Sequence[int] = (), bos_token_id
         chat_template=template,
         use_post_processor=True,
     )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    A few prompt tokens seed the context so that tokenizers whose decoding depends on the previous token (leading
+    spaces in SentencePiece) render the first output token correctly. Text is only released once the decoded
+    window no longer ends in U+FFFD, i.e. once a multi-byte character is complete.
+    """
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_ids[-self.CONTEXT :])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        after = self._tok.decode(self._ids[self._prefix :], self._skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]

@@ -235,7 +235,9 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             "mlp.down_proj.weight": (D, F),
         }
         if c.attention_bias:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+            layer.update(
+                {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+            )
         if c.qk_norm:
             layer.update({"self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,)})
         shapes.update({p + k: v for k, v in layer.items()})
@@ -274,7 +276,7 @@ def _load_tensors(path: str, config: ModelConfig, tensors: dict) -> dict[str, np
         if np.may_share_memory(w, t.data):  # F32 is a view of the memory-mapped file
             w = np.array(w, dtype=np.float32)
         w = w.astype(np.float32, copy=False)
-        if False and config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+        if config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             w = _unpermute(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
         out[hf] = w
     return out

@@ -1,0 +1,299 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+step() = schedule (host) -> build padded inputs (host numpy) -> run (device, one transfer) -> postprocess (host:
+append tokens, detokenize, stop checks, free pages). Requests are validated when added, so a bad one fails alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
+from jaxserve.block_manager import BlockManager
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.kv_cache import kv_cache_bytes
+from jaxserve.loader import load_checkpoint
+from jaxserve.loader.weights import to_weights
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.runner import ModelRunner, default_dtype
+from jaxserve.sampler import SamplingInputs
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler, ScheduledWork
+from jaxserve.sequence import Sequence
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict  # "text" | {"prompt_token_ids": [...]} | {"prompt": "text"}
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def _mix32(*values: int) -> int:
+    """A deterministic 32-bit hash of integers (per-row sampling key material)."""
+    h = 0x9E3779B9
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFF)) * 0x85EBCA6B & 0xFFFFFFFF
+        h ^= h >> 13
+        h = h * 0xC2B2AE35 & 0xFFFFFFFF
+        h ^= h >> 16
+    return h
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    texts: list[str] = field(default_factory=list)
+
+
+def resolve_num_pages(engine_cfg: EngineConfig, model_cfg: ModelConfig, dtype: str) -> int:
+    if engine_cfg.num_pages is not None:
+        return engine_cfg.num_pages
+    want = 1 + engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq
+    per_page = kv_cache_bytes(model_cfg, 1, engine_cfg.page_size, dtype)
+    return max(2, min(want, DEFAULT_KV_CACHE_BYTES // per_page))
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, engine_config: EngineConfig | None = None):
+        engine_config = engine_config or EngineConfig()
+        ckpt = load_checkpoint(model)
+        self.model_config = ckpt.config
+        self.tokenizer: Tokenizer | None = ckpt.tokenizer
+        dtype = engine_config.dtype or default_dtype()
+        max_model_len = min(engine_config.max_model_len, ckpt.config.max_position_embeddings)
+        engine_config = engine_config.replace(dtype=dtype, max_model_len=max_model_len)
+        engine_config = engine_config.replace(num_pages=resolve_num_pages(engine_config, ckpt.config, dtype))
+        if engine_config.num_pages - 1 < engine_config.max_pages_per_seq:
+            raise ValueError(
+                f"num_pages={engine_config.num_pages} cannot hold one sequence of max_model_len={max_model_len} "
+                f"({engine_config.max_pages_per_seq} pages of {engine_config.page_size}); lower max_model_len or "
+                "raise num_pages"
+            )
+        self.config = engine_config
+        weights = to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype) if dtype != "bfloat16" else _bf16(), ckpt.path)
+        del ckpt
+        self.runner = ModelRunner(self.model_config, engine_config, weights, dtype)
+        self.block_manager = BlockManager(engine_config.num_pages, engine_config.page_size)
+        self.scheduler = Scheduler(engine_config, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._rng = np.random.default_rng(engine_config.seed)
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, (int, np.integer)) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), [int(t) for t in ids]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a dict prompt needs 'prompt_token_ids' or 'prompt' (got keys {sorted(prompt)})")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string or a dict with 'prompt_token_ids' (got {type(prompt).__name__})")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        limit = self.config.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if len(ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {limit}: it must be shorter to leave room for output"
+            )
+        V = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {V}) (got {bad[:5]})")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs} (got {params.logprobs})")
+        max_tokens = limit - len(ids) if params.max_tokens is None else min(params.max_tokens, limit - len(ids))
+        now = time.time()
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, i, list(ids), params, max_tokens, now) for i in range(params.n)
+        ]
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
+            for _ in seqs
+        ]
+        self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, detoks, [""] * len(seqs))
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        now = time.time()
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish("abort", now)
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        work = self.scheduler.schedule()
+        if not work:
+            return []
+        bucket, inputs, sampling = self._build(work)
+        out = self.runner.run(bucket, inputs, sampling)
+        self.num_steps += 1
+        return self._postprocess(work, out)
+
+    def _build(self, work: list[ScheduledWork]):
+        seqs = [
+            ScheduledSeq(
+                w.seq.token_ids[w.seq.num_computed_tokens : w.seq.num_computed_tokens + w.num_tokens],
+                w.seq.num_computed_tokens,
+                w.seq.page_ids,
+            )
+            for w in work
+        ]
+        cfg = self.config
+        bucket = choose_bucket(
+            sum(w.num_tokens for w in work),
+            max(len(s.page_ids) for s in seqs),
+            cfg.token_buckets,
+            cfg.page_buckets,
+            cfg.max_num_seqs,
+        )
+        inputs = build_step_inputs(seqs, bucket, cfg.page_size)
+        sampling = SamplingInputs.host_arrays(bucket.num_seqs)
+        for row, w in enumerate(work):
+            p = w.seq.params
+            sampling["temperature"][row] = p.temperature
+            sampling["top_k"][row] = p.top_k
+            sampling["top_p"][row] = p.top_p
+            sampling["min_p"][row] = p.min_p
+            if p.seed is not None:  # same seed -> same draws, whatever shares the batch
+                sampling["seeds"][row] = _mix32(p.seed, w.seq.index, len(w.seq.output_token_ids))
+            else:
+                sampling["seeds"][row] = self._rng.integers(0, 2**32, dtype=np.uint32)
+        return bucket, inputs, sampling
+
+    def _postprocess(self, work: list[ScheduledWork], out: dict[str, np.ndarray]) -> list[RequestOutput]:
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for row, w in enumerate(work):
+            seq = w.seq
+            sample = w.completes_sequence
+            seq.num_computed_tokens += w.num_tokens
+            if not sample or seq.is_finished:
+                continue
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            token = int(out["token_ids"][row])
+            seq.output_token_ids.append(token)
+            seq.output_logprobs.append(float(out["logprobs"][row]))
+            k = seq.params.logprobs
+            if k is not None:
+                top = [
+                    (int(t), float(lp), r + 1)
+                    for r, (t, lp) in enumerate(zip(out["top_ids"][row][:k], out["top_logprobs"][row][:k]))
+                ]
+                if token not in (t for t, _, _ in top):
+                    top.append((token, float(out["logprobs"][row]), None))
+                seq.output_top_logprobs.append(top)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._check_stop(req, seq, token, now)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+        outputs = [self._request_output(req) for req in touched.values()]
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id]
+        return outputs
+
+    def _check_stop(self, req: Request, seq: Sequence, token: int, now: float) -> None:
+        p = seq.params
+        detok = req.detokenizers[seq.index]
+        if detok is not None:
+            old = req.texts[seq.index]
+            text = old + detok.add(token)
+            req.texts[seq.index] = text
+            for stop in p.stop_strings:
+                at = text.find(stop, max(0, len(old) - len(stop) + 1))
+                if at >= 0:
+                    req.texts[seq.index] = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
+                    seq.finish("stop", now, stop)
+                    return
+        if token in p.stop_token_ids:
+            seq.finish("stop", now, token)
+        elif not p.ignore_eos and token in self.model_config.eos_token_ids + self._tokenizer_eos():
+            seq.finish("stop", now)
+        elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            seq.finish("length", now)
+
+    def _tokenizer_eos(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_token_ids if self.tokenizer else ()
+
+    def _request_output(self, req: Request) -> RequestOutput:
+        completions = []
+        for seq, text in zip(req.seqs, req.texts):
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = [
+                    {t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in top} for top in seq.output_top_logprobs
+                ]
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=float(sum(seq.output_logprobs)),
+                    logprobs=logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        first = req.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_token_time=min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
+            finished_time=max((s.finish_time or 0.0) for s in req.seqs) if all(s.is_finished for s in req.seqs) else None,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=all(s.is_finished for s in req.seqs),
+            metrics=metrics,
+        )
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
+
+
+def _bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)

@@ -1,0 +1,98 @@
+"""LLM: the offline batch API, with vLLM's names and conventions.
+
+    llm = LLM()                                     # the default model, SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine, PromptType
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_logprobs: int = 20,
+        seed: int = 0,
+        engine_config: EngineConfig | None = None,
+    ):
+        if engine_config is None:
+            engine_config = EngineConfig(
+                max_model_len=max_model_len or 1 << 30,  # capped at the model's context length
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                page_size=page_size,
+                num_pages=num_pages,
+                dtype=dtype,
+                max_logprobs=max_logprobs,
+                seed=seed,
+            )
+        self.llm_engine = LLMEngine(model, engine_config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in the order of `prompts`.
+
+        All prompts are validated before any runs, so one bad prompt raises without starting the batch.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+
+        engine = self.llm_engine
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generating", unit="req")
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]

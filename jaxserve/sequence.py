@@ -1,0 +1,62 @@
+"""Host-side state of one sequence (one of a request's `n` samples). Plain Python: no jax here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved limit on generated tokens
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # log-probability of each generated token
+    output_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)  # (token, logprob, rank)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    page_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, now: float, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = now
