@@ -21,7 +21,8 @@ def smollm2():
 
 def test_smollm2_config(smollm2):
     config, params, tok = smollm2
-    assert (config.architecture, config.num_layers, config.hidden_size, config.intermediate_size) == ("llama", 30, 576, 1536)
+    assert config.architecture == "llama"
+    assert (config.num_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
     assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (9, 3, 64, 49152)
     assert config.rope_theta == 100000.0 and config.rope_scaling is None
     assert config.max_position_embeddings == 8192
@@ -117,7 +118,7 @@ def _hf_tensors(arch, rng, *, bias=False, qk_norm=False, tied=False):
             p + "mlp.down_proj.weight": (D, F),
         }
         if bias:
-            t |= {p + "self_attn.q_proj.bias": (N * H,), p + "self_attn.k_proj.bias": (K * H,), p + "self_attn.v_proj.bias": (K * H,)}
+            t |= {p + f"self_attn.{x}_proj.bias": (n * H,) for x, n in (("q", N), ("k", K), ("v", K))}
         if qk_norm:
             t |= {p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,)}
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in t.items()}
@@ -138,7 +139,11 @@ for _x in "qkv":
 
 
 def _gguf_name(hf):
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in top:
         return top[hf]
     _, _, i, rest = hf.split(".", 3)
@@ -265,7 +270,8 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_rope_freqs_tensor_rejected(tmp_path):
     ref = _hf_tensors("llama", np.random.default_rng(4))
-    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", ref, extra_tensors={"rope_freqs.weight": np.ones(H // 2, np.float32)})
+    freqs = {"rope_freqs.weight": np.ones(H // 2, np.float32)}
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", ref, extra_tensors=freqs)
     with pytest.raises(ValueError, match="rope_freqs.*not supported yet"):
         read_gguf(path)
 

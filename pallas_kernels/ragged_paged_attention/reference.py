@@ -78,6 +78,7 @@ def ragged_paged_attention(
         visible = (jnp.arange(ctx)[None, :] <= pos_t[:, None]) & real_t[:, None]  # [B, ctx]
         s = jnp.where(visible[:, None, None, :], s, _MASKED)
         p = jax.nn.softmax(s, axis=-1)
+        v = jnp.where(visible[:, :, None, None], v, 0)  # stale or NaN values in unused slots must not leak (0 * NaN)
         o = jnp.einsum("bkgc,bckh->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         o = jnp.where(real_t[:, None, None, None], o, 0.0)
         return o.reshape(block_q, N, H).astype(q.dtype)

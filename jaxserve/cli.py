@@ -1,0 +1,86 @@
+"""`jaxserve` command line. Subcommands: generate (more join as the server and tools land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxserve import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+    )
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt: pass --prompt TEXT (repeatable) or pipe prompts on stdin, one per line")
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outputs:
+        for c in out.outputs:
+            if args.json:
+                record = {"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                print(json.dumps(record))
+            else:
+                print(f"{out.prompt}{c.text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference on JAX/XLA")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (compiles, KV cache size)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    _add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable); default: read lines from stdin")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--json", action="store_true", help="one JSON record per output")
+    g.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

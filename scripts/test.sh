@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test suite on a fresh machine: install (with the HF reference), then pytest. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --test
+export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec .venv/bin/python -m pytest -q "$@"
