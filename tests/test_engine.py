@@ -1,0 +1,207 @@
+"""The engine end to end on a tiny random Llama: greedy parity with HF, batching invariance, preemption,
+logprobs, stop conditions, bad input handling, and no recompilation in steady state."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    hf = make_tiny_model("llama_gqa", str(path))
+    return str(path), hf
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny[0], max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=128)
+
+
+def _prompts(n, seed=0, lo=2, hi=45):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _hf_greedy(hf, ids, n):
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def test_greedy_matches_hf_generate(llm, tiny):
+    prompts = _prompts(6)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _hf_greedy(tiny[1], p, 10)
+        assert o.outputs[0].finish_reason == "length"
+        assert o.prompt_token_ids == p
+
+
+def test_alone_equals_in_busy_batch(llm):
+    """Each request's output is the same alone and mixed with others that arrive at different steps."""
+    prompts = _prompts(7, seed=1)
+    alone = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    eng = llm.llm_engine
+    got, pending = {}, list(enumerate(prompts))
+    while pending or eng.has_unfinished_requests():
+        if pending:  # one new arrival per step while others decode or prefill
+            i, p = pending.pop(0)
+            eng.add_request(f"busy-{i}", {"prompt_token_ids": p}, GREEDY)
+        for out in eng.step():
+            if out.finished:
+                got[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
+    assert [got[i] for i in range(len(prompts))] == alone
+
+
+def test_preemption_keeps_outputs_and_pages(tiny):
+    """With KV memory for barely two sequences, requests are preempted and recomputed; outputs do not change."""
+    path, _ = tiny
+    prompts = _prompts(6, seed=2, lo=10, hi=30)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    roomy = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64)
+    want = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    tight = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64, num_pages=1 + 24)
+    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    eng = tight.llm_engine
+    assert eng.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    eng.block_manager.check()
+    assert eng.block_manager.num_free_pages == eng.config.num_pages - 1
+
+
+def test_logprobs(llm, tiny):
+    p = _prompts(1, seed=3)[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, logprobs=5), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 3
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny[1](torch.tensor([p])).logits[0, -1], -1).numpy()
+    top = np.argsort(-ref)[:5]
+    first = c.logprobs[0]
+    assert list(first)[:5] == top.tolist()
+    for rank, t in enumerate(top, 1):
+        assert first[int(t)].rank == rank
+        assert math.isclose(first[int(t)].logprob, float(ref[t]), abs_tol=1e-4)
+    assert math.isclose(c.cumulative_logprob, sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)), abs_tol=1e-4)
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    p = _prompts(1, seed=4)[0]
+    full = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = full[4]
+    k = full.index(stop_at)
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.token_ids == full[: k + 1] and c.finish_reason == "stop" and c.stop_reason == stop_at
+    short = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert short[0].outputs[0].token_ids == full[:3]
+
+
+def test_n_greater_than_one(llm):
+    p = _prompts(1, seed=5)[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(n=3, temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ({"prompt_token_ids": []}, GREEDY, "prompt is empty"),
+        ({"prompt_token_ids": list(range(3, 200))}, GREEDY, "max_model_len is 128"),
+        ({"prompt_token_ids": [5, 100000]}, GREEDY, r"token ids must be in \[0, 300\)"),
+        ({"prompt_token_ids": "abc"}, GREEDY, "list of integers"),
+        ({"text": "x"}, GREEDY, "needs 'prompt_token_ids'"),
+        ({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=50), "max_logprobs"),
+    ],
+)
+def test_bad_requests_fail_alone(llm, prompt, params, match):
+    """A bad prompt raises a clear error before anything runs; the engine keeps serving others."""
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": [7, 8, 9]}, prompt], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    ok = llm.generate({"prompt_token_ids": [7, 8, 9]}, GREEDY, use_tqdm=False)
+    assert len(ok[0].outputs[0].token_ids) == 10
+
+
+def test_bad_request_mid_flight_leaves_others_untouched(llm):
+    eng = llm.llm_engine
+    p = _prompts(1, seed=6)[0]
+    want = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    eng.add_request("good", {"prompt_token_ids": p}, GREEDY)
+    eng.step()
+    with pytest.raises(ValueError):
+        eng.add_request("bad", {"prompt_token_ids": []}, GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("good", {"prompt_token_ids": p}, GREEDY)
+    done = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            done = out
+    assert done.request_id == "good" and done.outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_tokens=-1), "max_tokens must be an integer >= 1"),
+        (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+        (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(top_k=-3), "top_k must be"),
+        (dict(n=0), "n must be"),
+        (dict(min_p=1.5), "min_p must be"),
+        (dict(logprobs=-1), "logprobs must be"),
+        (dict(stop=[""]), "stop must be non-empty"),
+    ],
+)
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_engine_config_validation():
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_abort_frees_everything(llm):
+    eng = llm.llm_engine
+    for i, p in enumerate(_prompts(5, seed=7)):
+        eng.add_request(f"ab-{i}", {"prompt_token_ids": p}, GREEDY)
+    eng.step()
+    eng.step()
+    for i in range(5):
+        eng.abort_request(f"ab-{i}")
+    assert not eng.has_unfinished_requests() and not eng.scheduler.has_unfinished()
+    eng.block_manager.check()
+    assert eng.block_manager.num_free_pages == eng.config.num_pages - 1
+
+
+def test_no_recompile_after_warmup(tiny):
+    """After compiling every bucket, a varied workload runs without a single new compilation."""
+    llm = LLM(tiny[0], max_num_seqs=4, max_num_batched_tokens=16, page_size=8, max_model_len=64)
+    eng = llm.llm_engine
+    eng.runner.warmup(progress=False)
+    n = eng.runner.num_compiles
+    assert n == len(eng.runner.all_buckets())
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: compiles.append(name) if name.endswith("backend_compile_duration") else None
+    )
+    prompts = _prompts(9, seed=8, lo=1, hi=40)
+    params = [SamplingParams(temperature=t, max_tokens=20, logprobs=lp) for t, lp in [(0, None), (0.8, 3), (1.0, None)]]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params * 3, use_tqdm=False)
+    assert eng.runner.num_compiles == n
+    assert compiles == [], "XLA compiled something during steady-state serving"

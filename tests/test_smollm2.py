@@ -1,0 +1,68 @@
+"""The real default model, SmolLM2-135M-Instruct (GGUF), against HF transformers on the same weights."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_smollm2 import hf_smollm2_model
+from jaxserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a little girl who",
+    "def fibonacci(n):",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+def test_greedy_continuations_equal_hf(llm):
+    """Three prompts batched together (with chunked prefill): every token equals HF's greedy continuation."""
+    hf = hf_smollm2_model()
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok.encode(prompt)
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=2)
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist(), prompt
+
+
+def test_known_answer_and_eos(llm):
+    """The greedy answer HF, llama.cpp and vLLM all give on these weights; generation stops at EOS by itself."""
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.text == " Paris.\n\nThe answer is: 2018-01-22 12:12:53."
+    assert c.finish_reason == "stop" and c.token_ids[-1] == 2
+
+
+def test_stop_string_is_excluded(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=64, stop=["answer"]), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.text == " Paris.\n\nThe " and c.finish_reason == "stop" and c.stop_reason == "answer"
+
+
+def test_cli_generate():
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "The capital of France is", "--max-tokens", "5", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    record = json.loads(r.stdout)
+    assert record["text"] == " Paris.\n\nThe" and record["token_ids"] == [7042, 30, 198, 198, 504]
+
+
+def test_cli_reports_bad_model_path():
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--model", "/no/such/model", "--prompt", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 2
+    assert "model '/no/such/model' not found" in r.stderr
