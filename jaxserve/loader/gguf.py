@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loader.weights import hf_tensor_shapes
 
 __all__ = ["GGUFTokenizer", "default_model_path", "read_gguf", "SUPPORTED_GGUF_ARCHITECTURES"]
 
@@ -215,39 +216,10 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    D, F, V, H = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
-    q, kv = c.num_heads * H, c.num_kv_heads * H
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, D)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        layer = {
-            "input_layernorm.weight": (D,),
-            "post_attention_layernorm.weight": (D,),
-            "self_attn.q_proj.weight": (q, D),
-            "self_attn.k_proj.weight": (kv, D),
-            "self_attn.v_proj.weight": (kv, D),
-            "self_attn.o_proj.weight": (D, q),
-            "mlp.gate_proj.weight": (F, D),
-            "mlp.up_proj.weight": (F, D),
-            "mlp.down_proj.weight": (D, F),
-        }
-        if c.attention_bias:
-            layer.update(
-                {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
-            )
-        if c.qk_norm:
-            layer.update({"self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,)})
-        shapes.update({p + k: v for k, v in layer.items()})
-    return shapes
-
-
 def _load_tensors(path: str, config: ModelConfig, tensors: dict) -> dict[str, np.ndarray]:
     import gguf
 
-    expected = _expected_shapes(config)
+    expected = hf_tensor_shapes(config)
     by_hf = {}
     for name, t in tensors.items():
         hf = _hf_name(name)

@@ -83,9 +83,43 @@ def config_from_hf(cfg: dict, path: str = "config.json") -> ModelConfig:
     )
 
 
-def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    from safetensors.numpy import load_file
+_SAFETENSORS_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
+
+def read_safetensors(fp: str) -> dict[str, np.ndarray]:
+    """Read a .safetensors file into numpy (bfloat16 via ml_dtypes, which numpy alone cannot name)."""
+    import ml_dtypes
+
+    dtypes = dict(_SAFETENSORS_DTYPES, BF16=ml_dtypes.bfloat16)
+    with open(fp, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{fp}: not a safetensors file ({e})") from e
+    data = np.memmap(fp, dtype=np.uint8, mode="r", offset=8 + header_len)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in dtypes:
+            raise ValueError(f"{fp}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out[name] = np.frombuffer(data[start:end], dtype=dtypes[info["dtype"]]).reshape(info["shape"]).copy()
+    return out
+
+
+def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json; expected an HF model directory or a .gguf file")
@@ -107,5 +141,5 @@ def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         fp = os.path.join(path, name)
         if not os.path.isfile(fp):
             raise FileNotFoundError(f"{fp}: listed in the safetensors index but missing")
-        tensors.update(load_file(fp))
+        tensors.update(read_safetensors(fp))
     return config, tensors

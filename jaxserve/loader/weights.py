@@ -12,8 +12,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.llama import LayerWeights, Weights
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+def layer_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name suffix (after `model.layers.{i}.`) -> shape, for every per-layer tensor this config needs."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     shapes = {
         "input_layernorm.weight": (D,),
@@ -33,6 +34,17 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Full HF tensor name -> shape for every tensor a checkpoint of this config must hold."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(cfg.num_layers):
+        shapes |= {f"model.layers.{i}.{k}": v for k, v in layer_tensor_shapes(cfg).items()}
+    return shapes
+
+
 def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
     if name not in tensors:
         raise ValueError(f"{source}: missing tensor {name}")
@@ -44,7 +56,7 @@ def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], sou
 
 def to_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, source: str = "checkpoint") -> Weights:
     """Build host (numpy) `Weights` in `dtype`. Linear weights are transposed from HF's [out, in] to [in, out]."""
-    shapes = _expected_shapes(cfg)
+    shapes = layer_tensor_shapes(cfg)
 
     def stacked(key: str, transpose: bool) -> np.ndarray:
         per_layer = [
