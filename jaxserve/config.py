@@ -83,10 +83,12 @@ class EngineConfig:
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU
     max_logprobs: int = 20  # largest `logprobs` a request may ask for
     token_buckets: tuple[int, ...] = field(default=())  # padded token counts; () = powers of two up to the budget
+    enable_prefix_caching: bool = True
+    priority_aging_steps: int = 100  # a waiting request gains one priority level per this many steps
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "priority_aging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -97,6 +99,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16 (got {self.dtype!r})")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2: page 0 is reserved for padding (got {self.num_pages})")
+        object.__setattr__(self, "token_buckets", tuple(sorted(self.token_buckets)))
         if not self.token_buckets:
             object.__setattr__(self, "token_buckets", _pow2_buckets(1, self.max_num_batched_tokens))
         elif max(self.token_buckets) < self.max_num_batched_tokens:
@@ -122,3 +125,24 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "engine config") -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values = dict(values)
+        if "token_buckets" in values:
+            values["token_buckets"] = tuple(values["token_buckets"])
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "EngineConfig":
+        import yaml
+
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a mapping of engine options, got {type(values).__name__}")
+        return cls.from_dict(values, path)

@@ -21,7 +21,7 @@ from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.runner import ModelRunner, default_dtype
-from jaxserve.sampler import SamplingInputs
+from jaxserve.sampler import MAX_BANNED, SamplingInputs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, ScheduledWork
 from jaxserve.sequence import Sequence
@@ -83,8 +83,13 @@ class LLMEngine:
         weights = to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype) if dtype != "bfloat16" else _bf16(), ckpt.path)
         del ckpt
         self.runner = ModelRunner(self.model_config, engine_config, weights, dtype)
-        self.block_manager = BlockManager(engine_config.num_pages, engine_config.page_size)
+        self.block_manager = BlockManager(
+            engine_config.num_pages, engine_config.page_size, engine_config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(engine_config, self.block_manager)
+        self._eos_ids = tuple(
+            dict.fromkeys(self.model_config.eos_token_ids + (self.tokenizer.eos_token_ids if self.tokenizer else ()))
+        )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(engine_config.seed)
@@ -109,7 +114,9 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
         return prompt, self.tokenizer.encode(prompt)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0
+    ) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -125,12 +132,19 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {V}) (got {bad[:5]})")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= max_logprobs={self.config.max_logprobs} (got {params.logprobs})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs={self.config.max_logprobs} (got {k})")
+        if params.min_tokens and len(self._stop_ids(params)) > MAX_BANNED:
+            raise ValueError(f"with min_tokens, at most {MAX_BANNED} EOS + stop_token_ids can be suppressed")
         max_tokens = limit - len(ids) if params.max_tokens is None else min(params.max_tokens, limit - len(ids))
         now = time.time()
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (got {priority!r})")
         seqs = [
-            Sequence(next(self._seq_ids), request_id, i, list(ids), params, max_tokens, now) for i in range(params.n)
+            Sequence(next(self._seq_ids), request_id, i, list(ids), params, max_tokens, now, priority=priority)
+            for i in range(params.n)
         ]
         detoks = [
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
@@ -182,17 +196,28 @@ class LLMEngine:
             cfg.max_num_seqs,
         )
         inputs = build_step_inputs(seqs, bucket, cfg.page_size)
-        sampling = SamplingInputs.host_arrays(bucket.num_seqs)
+        sampling = SamplingInputs.host_arrays(bucket.num_seqs, bucket.max_pages * cfg.page_size)
         for row, w in enumerate(work):
-            p = w.seq.params
+            seq, p = w.seq, w.seq.params
+            if not w.completes_sequence:
+                continue  # a prefill chunk that samples nothing: neutral row
             sampling["temperature"][row] = p.temperature
             sampling["top_k"][row] = p.top_k
             sampling["top_p"][row] = p.top_p
             sampling["min_p"][row] = p.min_p
             if p.seed is not None:  # same seed -> same draws, whatever shares the batch
-                sampling["seeds"][row] = _mix32(p.seed, w.seq.index, len(w.seq.output_token_ids))
+                sampling["seeds"][row] = _mix32(p.seed, seq.index, len(seq.output_token_ids))
             else:
                 sampling["seeds"][row] = self._rng.integers(0, 2**32, dtype=np.uint32)
+            if p.has_penalties:
+                sampling["repetition_penalty"][row] = p.repetition_penalty
+                sampling["frequency_penalty"][row] = p.frequency_penalty
+                sampling["presence_penalty"][row] = p.presence_penalty
+                sampling["history"][row, : seq.num_tokens] = seq.token_ids
+                sampling["history_is_output"][row, seq.num_prompt_tokens : seq.num_tokens] = True
+            if len(seq.output_token_ids) < p.min_tokens:
+                banned = self._stop_ids(p)
+                sampling["banned"][row, : len(banned)] = banned
         return bucket, inputs, sampling
 
     def _postprocess(self, work: list[ScheduledWork], out: dict[str, np.ndarray]) -> list[RequestOutput]:
@@ -202,6 +227,7 @@ class LLMEngine:
             seq = w.seq
             sample = w.completes_sequence
             seq.num_computed_tokens += w.num_tokens
+            self.block_manager.register_computed(seq)
             if not sample or seq.is_finished:
                 continue
             req = self.requests[seq.request_id]
@@ -216,7 +242,7 @@ class LLMEngine:
                     for r, (t, lp) in enumerate(zip(out["top_ids"][row][:k], out["top_logprobs"][row][:k]))
                 ]
                 if token not in (t for t, _, _ in top):
-                    top.append((token, float(out["logprobs"][row]), None))
+                    top.append((token, float(out["logprobs"][row]), int(out["ranks"][row])))
                 seq.output_top_logprobs.append(top)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -244,13 +270,15 @@ class LLMEngine:
                     return
         if token in p.stop_token_ids:
             seq.finish("stop", now, token)
-        elif not p.ignore_eos and token in self.model_config.eos_token_ids + self._tokenizer_eos():
+        elif not p.ignore_eos and token in self._eos_ids:
             seq.finish("stop", now)
         elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             seq.finish("length", now)
 
-    def _tokenizer_eos(self) -> tuple[int, ...]:
-        return self.tokenizer.eos_token_ids if self.tokenizer else ()
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        """Token ids that end generation for these params (EOS unless ignored, plus stop_token_ids)."""
+        eos = [] if p.ignore_eos else list(self._eos_ids)
+        return list(dict.fromkeys(eos + p.stop_token_ids))
 
     def _request_output(self, req: Request) -> RequestOutput:
         completions = []

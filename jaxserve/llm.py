@@ -53,6 +53,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in the order of `prompts`.
 
@@ -66,13 +67,16 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
 
         engine = self.llm_engine
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+            for rid, prompt, p, prio in zip(ids, prompts, params, priority):
+                engine.add_request(rid, prompt, p, priority=prio)
                 added.append(rid)
         except Exception:
             for rid in added:

@@ -91,7 +91,10 @@ class ModelRunner:
             logits_indices=i32(b.num_seqs),
         )
         sampling = SamplingInputs(
-            **{k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in SamplingInputs.host_arrays(b.num_seqs).items()}
+            **{
+                k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+                for k, v in SamplingInputs.host_arrays(b.num_seqs, b.max_pages * self.engine_cfg.page_size).items()
+            }
         )
         return inputs, sampling
 
@@ -122,6 +125,4 @@ class ModelRunner:
         dev_inputs, dev_sampling = jax.device_put((StepInputs(**inputs), SamplingInputs(**sampling)))
         out, self.kv = exe(self.weights, self.kv, dev_inputs, dev_sampling)
         out = jax.device_get(out)
-        return dict(
-            token_ids=out.token_ids, logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs
-        )
+        return vars(out)

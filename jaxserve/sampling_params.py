@@ -16,12 +16,17 @@ class SamplingParams:
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0 or -1 = all tokens
     min_p: float = 0.0  # [0, 1]
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
     seed: int | None = None
     max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0  # EOS and stop tokens are suppressed until this many tokens are out
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k log-probabilities per generated token
+    prompt_logprobs: int | None = None  # top-k log-probabilities per prompt token (the first has none)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
@@ -43,10 +48,20 @@ class SamplingParams:
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})",
         )
+        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2] (got {self.presence_penalty})")
+        check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2] (got {self.frequency_penalty})")
+        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
         check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-            f"logprobs must be an integer >= 0 (got {self.logprobs!r})",
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be an integer >= 0 (got {self.min_tokens!r})",
         )
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            check(v is None or (isinstance(v, int) and v >= 0), f"{name} must be an integer >= 0 (got {v!r})")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer (got {self.seed!r})")
         if self.top_k == -1:
             self.top_k = 0
@@ -62,3 +77,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

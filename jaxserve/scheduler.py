@@ -1,15 +1,23 @@
 """Continuous-batching scheduler: which sequences run this step, and how many tokens each. Plain Python.
 
-Each step has a token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`). Running sequences go
-first, oldest first: a decode costs one token, an unfinished prompt takes the next chunk that fits the budget
-(chunked prefill), so prefills and decodes share a step. Waiting sequences are then admitted first-come
-first-served while seats, budget and KV pages last. When a running sequence cannot get a page, the newest running
-sequence is preempted: its pages are freed and it returns to the front of the waiting queue to be recomputed.
+Order. Every sequence has a rank: (effective priority, arrival time). Effective priority is the request's
+`priority` (lower runs first, as in vLLM) minus one for every `priority_aging_steps` steps it has existed, so a
+low-priority request cannot starve. FCFS is the tie-break, and preempted sequences keep their arrival time, so
+they resume ahead of later arrivals.
+
+Each step has a token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
+  1. If the best waiting sequence outranks (strictly better effective priority) the worst running one and cannot
+     get a seat or its pages, the worst running one is preempted to make room.
+  2. Running sequences, best rank first: a decode costs one token; an unfinished prompt takes the next chunk that
+     fits the budget (chunked prefill), so prefill chunks and decodes share a step. A sequence that cannot get a
+     page preempts the worst-ranked running sequence not yet scheduled this step (or itself, if it is the worst).
+  3. Waiting sequences, best rank first, while seats, budget and pages last. Cached prefix pages are attached
+     first, so only the uncached rest of a prompt costs budget. Nobody jumps a waiting sequence that doesn't fit.
+Preemption is by recompute: pages are released (full ones stay in the prefix cache), the tokens are kept.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from jaxserve.block_manager import BlockManager
@@ -32,21 +40,34 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
         self.cfg = cfg
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_steps = 0
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.num_steps
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def effective_priority(self, seq: Sequence) -> int:
+        return seq.priority - (self.num_steps - seq.arrival_step) // self.cfg.priority_aging_steps
+
+    def _rank(self, seq: Sequence) -> tuple[int, float, int]:
+        return (self.effective_priority(seq), seq.arrival_time, seq.seq_id)
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
     def schedule(self) -> list[ScheduledWork]:
+        self.waiting.sort(key=self._rank)
+        self.running.sort(key=self._rank)
+        self._preempt_for_priority()
+
         budget = self.cfg.max_num_batched_tokens
         work: list[ScheduledWork] = []
         scheduled: set[int] = set()
-
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -60,23 +81,41 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            hit = self.block_manager.reuse_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
-                break  # FCFS: nobody jumps the queue
-            self.waiting.popleft()
+                self.block_manager.free(seq)  # the prefix pages go back to the cache untouched
+                seq.num_computed_tokens = 0
+                break
+            self.block_manager.count_prefix_lookup(seq.num_tokens, hit)
+            self.waiting.pop(0)
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             work.append(ScheduledWork(seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
+        self.num_steps += 1
         return work
 
+    def _preempt_for_priority(self) -> None:
+        """Make room for a waiting sequence that outranks running ones (priority scheduling)."""
+        while self.waiting and self.running:
+            best, worst = self.waiting[0], self.running[-1]
+            if self.effective_priority(best) >= self.effective_priority(worst):
+                return
+            first_chunk = min(best.num_uncomputed_tokens, self.cfg.max_num_batched_tokens)
+            has_seat = len(self.running) < self.cfg.max_num_seqs
+            if has_seat and self.block_manager.can_allocate(best, best.num_computed_tokens + first_chunk):
+                return
+            self._preempt(worst)
+            self.waiting.sort(key=self._rank)
+
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
-        """Allocate pages for `n` more tokens of `seq`, preempting newer unscheduled sequences if needed."""
+        """Allocate pages for `n` more tokens of `seq`, preempting worse-ranked unscheduled sequences if needed."""
         while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
             victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled and s is not seq), None)
-            if victim is None:
+            if victim is None or self._rank(victim) < self._rank(seq):
                 self._preempt(seq)
                 return False
             self._preempt(victim)
@@ -84,14 +123,15 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        """Recompute-style preemption: drop the KV (full pages stay cached), keep the tokens, requeue."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.append(seq)
+        self.waiting.sort(key=self._rank)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence wherever it is."""

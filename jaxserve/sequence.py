@@ -28,6 +28,9 @@ class Sequence:
     output_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)  # (token, logprob, rank)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     page_ids: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of the leading full, computed pages
+    priority: int = 0  # lower runs first (vLLM's convention)
+    arrival_step: int = 0  # scheduler step at arrival, for aging
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
