@@ -205,3 +205,91 @@ def test_no_recompile_after_warmup(tiny):
     llm.generate([{"prompt_token_ids": p} for p in prompts], params * 3, use_tqdm=False)
     assert eng.runner.num_compiles == n
     assert compiles == [], "XLA compiled something during steady-state serving"
+
+
+def test_prefix_caching_same_outputs_and_hits(tiny):
+    """A shared prefix is computed once; outputs equal those with caching off."""
+    path, _ = tiny
+    rng = np.random.default_rng(9)
+    system = rng.integers(3, 300, 24).tolist()
+    prompts = [system + rng.integers(3, 300, int(rng.integers(1, 9))).tolist() for _ in range(6)]
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=128)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(path, engine_config=EngineConfig(enable_prefix_caching=caching, **kw))
+        first = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)  # warms the cache
+        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False)
+        outs[caching] = [o.outputs[0].token_ids for o in first + rest]
+        bm = llm.llm_engine.block_manager
+        if caching:
+            assert bm.num_prefix_hits >= 5 * 24  # every later prompt reuses the 24-token prefix (6 pages)
+            assert 0 < bm.prefix_hit_rate < 1
+        else:
+            assert bm.num_prefix_hits == 0
+        bm.check()
+    assert outs[True] == outs[False]
+
+
+def test_random_aborts_never_leak(tiny):
+    """Abort random requests at random moments over a long run; the page accounting holds after every step."""
+    path, _ = tiny
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64, num_pages=1 + 30)
+    eng = llm.llm_engine
+    rng = np.random.default_rng(10)
+    live, n_aborted, n_finished = set(), 0, 0
+    for step in range(150):
+        if rng.random() < 0.4:
+            rid = f"ra-{step}"
+            eng.add_request(rid, {"prompt_token_ids": rng.integers(3, 300, int(rng.integers(1, 30))).tolist()},
+                            SamplingParams(temperature=1.0, max_tokens=int(rng.integers(1, 20))), priority=int(rng.integers(0, 3)))
+            live.add(rid)
+        if live and rng.random() < 0.15:
+            rid = sorted(live)[int(rng.integers(len(live)))]
+            eng.abort_request(rid)
+            live.discard(rid)
+            n_aborted += 1
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+                n_finished += 1
+        eng.block_manager.check()
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            live.discard(out.request_id)
+        eng.block_manager.check()
+    assert n_aborted > 5 and n_finished > 10 and not live
+    assert not eng.scheduler.has_unfinished() and eng.block_manager.num_used_pages == 0
+
+
+def test_seeded_sampling_reproduces_with_other_companions(llm):
+    p = _prompts(1, seed=11)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": q} for q in _prompts(5, seed=12)]
+    mixed = llm.generate(others[:2] + [{"prompt_token_ids": p}] + others[2:], [SamplingParams(temperature=0.8, max_tokens=12)] * 2 + [params] + [SamplingParams(temperature=1.2, max_tokens=12)] * 3, use_tqdm=False)
+    assert mixed[2].outputs[0].token_ids == alone
+    unseeded = [llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
+    assert len({tuple(u) for u in unseeded}) > 1, "unseeded requests should differ"
+
+
+def test_min_tokens_suppresses_stop_tokens(llm):
+    p = _prompts(1, seed=13)[0]
+    full = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop = full[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=10, min_tokens=4, stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    assert stop not in out.token_ids[:4]
+    assert len(out.token_ids) >= 4
+
+
+def test_engine_config_from_yaml(tmp_path):
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for f in sorted((root / "configs" / "engine").glob("*.yaml")):
+        EngineConfig.from_yaml(str(f))
+    cfg = EngineConfig.from_yaml(str(root / "configs" / "engine" / "cpu-small-memory.yaml"))
+    assert cfg.num_pages == 65 and cfg.max_num_seqs == 8
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_num_seqs: 4\nblock_sise: 16\n")
+    with pytest.raises(ValueError, match="unknown engine option.*block_sise"):
+        EngineConfig.from_yaml(str(bad))
