@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -36,6 +37,22 @@ def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
     return 2 * src.nbytes / statistics.median(times)
+
+
+def cpu_times() -> list[int]:
+    """Aggregate /proc/stat jiffies: user nice system idle iowait irq softirq steal."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:9]]
+
+
+def git_rev() -> str:
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "jaxserve"], cwd=root, capture_output=True, text=True)
+        return rev.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return "?"
 
 
 def run_jaxserve(eng, prompts: np.ndarray, new_tokens: int, step_hook=None) -> dict:
@@ -93,42 +110,51 @@ def run_hf(model, prompts: np.ndarray, new_tokens: int) -> dict:
 
 
 def profile_steps(eng, prompts: np.ndarray, new_tokens: int) -> dict:
-    """Per decode step: total step() time vs time inside runner.run, split into transfer / dispatch / wait / fetch."""
+    """Per decode step, ms: whole step() vs runner.run, split into executable call (dispatch) and compute wait;
+    `io` = the rest of run (host->device transfer, fetch), `host` = step - run (schedule, build, postprocess)."""
     import jax
 
-    from jaxserve.runner import SamplingInputs, StepInputs
-
     runner = eng.runner
-    parts = {k: [] for k in ("step", "run", "put", "dispatch", "wait", "fetch")}
+    parts = {k: [] for k in ("step", "run", "dispatch", "wait")}
+    run, executable = runner.run, runner.executable
 
-    def timed_run(bucket, inputs, sampling):  # mirrors ModelRunner.run, with clocks
-        exe = runner.executable(bucket)
+    def timed_executable(bucket):
+        exe = executable(bucket)
+
+        def call(*args):
+            t0 = time.perf_counter()
+            out = exe(*args)
+            t1 = time.perf_counter()
+            jax.block_until_ready(out)
+            parts["dispatch"].append(t1 - t0)
+            parts["wait"].append(time.perf_counter() - t1)
+            return out
+
+        return call
+
+    def timed_run(*args):
         t0 = time.perf_counter()
-        dev_inputs, dev_sampling = jax.device_put((StepInputs(**inputs), SamplingInputs(**sampling)))
-        t1 = time.perf_counter()
-        out, runner.kv = exe(runner.weights, runner.kv, dev_inputs, dev_sampling)
-        t2 = time.perf_counter()
-        jax.block_until_ready(out)
-        t3 = time.perf_counter()
-        out = jax.device_get(out)
-        t4 = time.perf_counter()
-        for k, a, b in (("put", t0, t1), ("dispatch", t1, t2), ("wait", t2, t3), ("fetch", t3, t4), ("run", t0, t4)):
-            parts[k].append(b - a)
-        return dict(token_ids=out.token_ids, logprobs=out.logprobs, top_ids=out.top_ids, top_logprobs=out.top_logprobs)
+        out = run(*args)
+        parts["run"].append(time.perf_counter() - t0)
+        return out
 
     def hook(step):
         t0 = time.perf_counter()
         step()
         parts["step"].append(time.perf_counter() - t0)
 
-    runner.run = timed_run
+    runner.run, runner.executable = timed_run, timed_executable  # instance attributes shadow the methods
     try:
         run_jaxserve(eng, prompts, new_tokens, step_hook=hook)
     finally:
-        del runner.run
-    med = {k: 1e3 * statistics.median(v) for k, v in parts.items()}
-    med["host"] = 1e3 * statistics.median(s - r for s, r in zip(parts["step"], parts["run"]))
-    return {f"{k}_ms": round(v, 3) for k, v in med.items()}
+        del runner.run, runner.executable
+    n = len(parts["step"])  # decode steps only: drop the prefill calls recorded before the hook starts
+    a = {k: 1e3 * np.asarray(v[-n:]) for k, v in parts.items()}
+    a["io"] = a["run"] - a["dispatch"] - a["wait"]
+    a["host"] = a["step"] - a["run"]
+    out = {f"{k}_ms": round(float(np.median(v)), 3) for k, v in a.items()}
+    out["step_mean_ms"] = round(float(a["step"].mean()), 3)
+    return out
 
 
 def summary(xs: list[float]) -> dict:
@@ -158,7 +184,7 @@ def main() -> None:
     from jaxserve import LLM
 
     torch.set_num_threads(2)
-    load0 = os.getloadavg()
+    load0, cpu0, own0 = os.getloadavg(), cpu_times(), os.times()
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(100, 40000, size=(max(args.batches), args.prompt_len), dtype=np.int64)
 
@@ -167,8 +193,9 @@ def main() -> None:
     hf = hf_smollm2_model()
     weight_bytes = eng.model_config.num_params * 4
 
-    for b in args.batches:  # warm-up: compile every bucket these runs touch; warm HF too
-        run_jaxserve(eng, prompts[:b], args.new_tokens)
+    for b in args.batches:  # warm-up: compile every bucket these runs touch (twice: the 2nd hits the prefix cache)
+        for _ in range(2):
+            run_jaxserve(eng, prompts[:b], args.new_tokens)
         run_hf(hf, prompts[:b], 8)
     compiles = eng.runner.num_compiles
 
@@ -203,7 +230,11 @@ def main() -> None:
     profile = None
     if not args.no_profile:
         profile = {b: profile_steps(eng, prompts[:b], args.new_tokens) for b in args.batches}
-    load1 = os.getloadavg()
+    load1, dcpu = os.getloadavg(), [b - a for a, b in zip(cpu0, cpu_times())]
+    steal_pct = 100 * dcpu[7] / max(1, sum(dcpu))
+    own1, hz = os.times(), os.sysconf("SC_CLK_TCK")
+    busy_s = (sum(dcpu) - dcpu[3] - dcpu[4]) / hz  # all CPUs, excluding idle and iowait
+    others_cores = (busy_s - (own1.user + own1.system - own0.user - own0.system)) / (own1.elapsed - own0.elapsed)
 
     rows = [("batch", "jaxserve decode tok/s", "HF decode tok/s", "jaxserve / HF", "jaxserve steps/s", "% of roofline")]
     for b, r in results.items():
@@ -222,7 +253,8 @@ def main() -> None:
                jax=jax.__version__, jaxlib=__import__("jaxlib").__version__, numpy=np.__version__, torch=torch.__version__,
                transformers=transformers.__version__, backend=jax.default_backend(), cpu_count=os.cpu_count(),
                cpu=next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"),
-               loadavg_before=load0, loadavg_after=load1, torch_threads=torch.get_num_threads())
+               loadavg_before=load0, loadavg_after=load1, cpu_steal_pct=steal_pct, other_processes_cores=others_cores,
+               git=git_rev(), torch_threads=torch.get_num_threads())
     strip = lambda runs: [{k: v for k, v in x.items() if k != "tokens"} for x in runs]  # noqa: E731
     record = dict(command=cmd, env=env, args=vars(args), model="SmolLM2-135M-Instruct (GGUF, dequantized to float32)",
                   num_params=eng.model_config.num_params, weight_bytes=weight_bytes, copy_bandwidth_Bps=bandwidth,
@@ -238,13 +270,16 @@ def main() -> None:
           table, "", roof_line + ".", "",
           f"Batch-1 greedy tokens: jaxserve and HF agree on the first {match} of {len(ours)}.", ""]
     if profile:
-        md += ["Per decode step (medians, ms): `step` = whole `eng.step()`, `run` = `runner.run` (`put` host->device, "
-               "`dispatch`, `wait` = compute, `fetch`), `host` = step - run.", "",
+        md += ["Per decode step (medians, ms; separate untimed run): `step` = whole `eng.step()`, `run` = `runner.run`, "
+               "`dispatch` = executable call, `wait` = compute after dispatch, `io` = run - dispatch - wait (transfers), "
+               "`host` = step - run (schedule, build inputs, postprocess).", "",
                "| batch | " + " | ".join(profile[args.batches[0]]) + " |", "|---" * (len(profile[args.batches[0]]) + 1) + "|"]
         md += [f"| {b} | " + " | ".join(f"{v:.2f}" for v in p.values()) + " |" for b, p in profile.items()]
         md.append("")
     md += ["Reproduce:", "", f"    {cmd}", "",
-           f"Machine: {env['cpu']}, {env['cpu_count']} CPUs; load average before/after {load0[0]:.2f}/{load1[0]:.2f}. "
+           f"Machine: {env['cpu']}, {env['cpu_count']} CPUs; load average before/after {load0[0]:.2f}/{load1[0]:.2f}, "
+           f"CPU steal {steal_pct:.1f}%, other processes used "
+           f"{others_cores:.2f} cores on average during the run. jaxserve at {env['git']}. "
            f"Python {env['python']}, jax {env['jax']}, jaxlib {env['jaxlib']}, numpy {env['numpy']}, torch {env['torch']} "
            f"({env['torch_threads']} threads), transformers {env['transformers']}. {env['date']}.", ""]
     with open(os.path.join(args.out, "decode.md"), "w") as f:

@@ -16,6 +16,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--precompile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile every bucket at start (default: on for servers, off for one-shot generate)",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -39,6 +46,8 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         page_size=args.page_size,
         num_pages=args.num_pages,
+        enable_prefix_caching=args.enable_prefix_caching,
+        precompile=bool(args.precompile),
     )
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

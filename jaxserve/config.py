@@ -84,6 +84,7 @@ class EngineConfig:
     max_logprobs: int = 20  # largest `logprobs` a request may ask for
     token_buckets: tuple[int, ...] = field(default=())  # padded token counts; () = powers of two up to the budget
     enable_prefix_caching: bool = True
+    precompile: bool = True  # compile every (tokens, pages) bucket at start; False = compile each on first use
     priority_aging_steps: int = 100  # a waiting request gains one priority level per this many steps
     seed: int = 0
 

@@ -83,6 +83,8 @@ class LLMEngine:
         weights = to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype) if dtype != "bfloat16" else _bf16(), ckpt.path)
         del ckpt
         self.runner = ModelRunner(self.model_config, engine_config, weights, dtype)
+        if engine_config.precompile:
+            self.runner.warmup()
         self.block_manager = BlockManager(
             engine_config.num_pages, engine_config.page_size, engine_config.enable_prefix_caching
         )

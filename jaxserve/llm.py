@@ -28,6 +28,8 @@ class LLM:
         page_size: int = 16,
         num_pages: int | None = None,
         max_logprobs: int = 20,
+        enable_prefix_caching: bool = True,
+        precompile: bool = True,
         seed: int = 0,
         engine_config: EngineConfig | None = None,
     ):
@@ -40,6 +42,8 @@ class LLM:
                 num_pages=num_pages,
                 dtype=dtype,
                 max_logprobs=max_logprobs,
+                enable_prefix_caching=enable_prefix_caching,
+                precompile=precompile,
                 seed=seed,
             )
         self.llm_engine = LLMEngine(model, engine_config)
@@ -100,3 +104,26 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render chat messages")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            # The template writes any BOS itself, so the text is tokenized without adding special tokens.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

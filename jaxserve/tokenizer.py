@@ -6,6 +6,7 @@ stored in a GGUF file's metadata (built by `jaxserve.loader.gguf`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Sequence
@@ -36,11 +37,33 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=self._use_post_processor).ids
-        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, BOS is prepended when the model wants it."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens and self._use_post_processor).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def apply_chat_template(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> str:
+        """Render a conversation with the model's Jinja chat template (sandboxed, as transformers renders it)."""
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template; pass chat_template=... or use generate() with text")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content' (got {m!r})")
+        special = {
+            "bos_token": self._token_text(self.bos_token_id),
+            "eos_token": self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+        }
+        return _compile_template(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special
+        )
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -50,6 +73,19 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
 
 
 def _special_id(tok: tokenizers.Tokenizer, value) -> int | None:

@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    return LLM(tiny[0], max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=128)
+    return LLM(tiny[0], max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=128, precompile=False)
 
 
 def _prompts(n, seed=0, lo=2, hi=45):
@@ -67,9 +67,9 @@ def test_preemption_keeps_outputs_and_pages(tiny):
     path, _ = tiny
     prompts = _prompts(6, seed=2, lo=10, hi=30)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    roomy = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64)
+    roomy = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64, precompile=False)
     want = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    tight = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64, num_pages=1 + 24)
+    tight = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64, num_pages=1 + 24, precompile=False)
     outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     eng = tight.llm_engine
     assert eng.scheduler.num_preemptions > 0
@@ -190,10 +190,9 @@ def test_abort_frees_everything(llm):
 
 
 def test_no_recompile_after_warmup(tiny):
-    """After compiling every bucket, a varied workload runs without a single new compilation."""
+    """Every bucket compiles at start; afterwards a varied workload runs without a single new compilation."""
     llm = LLM(tiny[0], max_num_seqs=4, max_num_batched_tokens=16, page_size=8, max_model_len=64)
     eng = llm.llm_engine
-    eng.runner.warmup(progress=False)
     n = eng.runner.num_compiles
     assert n == len(eng.runner.all_buckets())
     compiles = []
@@ -213,7 +212,7 @@ def test_prefix_caching_same_outputs_and_hits(tiny):
     rng = np.random.default_rng(9)
     system = rng.integers(3, 300, 24).tolist()
     prompts = [system + rng.integers(3, 300, int(rng.integers(1, 9))).tolist() for _ in range(6)]
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=128)
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=128, precompile=False)
     outs = {}
     for caching in (False, True):
         llm = LLM(path, engine_config=EngineConfig(enable_prefix_caching=caching, **kw))
@@ -233,7 +232,7 @@ def test_prefix_caching_same_outputs_and_hits(tiny):
 def test_random_aborts_never_leak(tiny):
     """Abort random requests at random moments over a long run; the page accounting holds after every step."""
     path, _ = tiny
-    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64, num_pages=1 + 30)
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64, num_pages=1 + 30, precompile=False)
     eng = llm.llm_engine
     rng = np.random.default_rng(10)
     live, n_aborted, n_finished = set(), 0, 0

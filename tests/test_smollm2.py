@@ -19,7 +19,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64)
+    return LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, precompile=False)
 
 
 def test_greedy_continuations_equal_hf(llm):
@@ -66,3 +66,19 @@ def test_cli_reports_bad_model_path():
     )
     assert r.returncode == 2
     assert "model '/no/such/model' not found" in r.stderr
+
+
+def test_chat_template_and_reply(llm):
+    from hf_smollm2 import hf_smollm2_tokenizer
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    want = hf_smollm2_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == want
+    assert out.prompt_token_ids == hf_smollm2_tokenizer()(want, add_special_tokens=False)["input_ids"]
+    assert out.outputs[0].text == "The capital of France is Paris." and out.outputs[0].finish_reason == "stop"
+
+
+def test_chat_rejects_malformed_messages(llm):
+    with pytest.raises(ValueError, match="must be a dict with 'role' and 'content'"):
+        llm.chat([{"content": "no role"}], use_tqdm=False)
