@@ -124,8 +124,8 @@ class BlockManager:
         At least one token is always left to compute, since the step must produce the next token's logits.
         """
         assert seq.num_computed_tokens == 0 and not seq.page_ids
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # prompt log-probabilities need every prompt token computed
         max_pages = (seq.num_tokens - 1) // self.page_size
         parent = None
         for i in range(max_pages):

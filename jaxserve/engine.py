@@ -176,9 +176,43 @@ class LLMEngine:
         if not work:
             return []
         bucket, inputs, sampling = self._build(work)
-        out = self.runner.run(bucket, inputs, sampling)
+        targets = self._prompt_targets(work, bucket.num_tokens)
+        out, prompt_lp = self.runner.run(bucket, inputs, sampling, targets)
         self.num_steps += 1
+        if prompt_lp is not None:
+            self._record_prompt_logprobs(work, prompt_lp)
         return self._postprocess(work, out)
+
+    def _prompt_targets(self, work: list[ScheduledWork], num_tokens: int) -> np.ndarray | None:
+        """Next-token targets for prompt chunks of requests that asked for prompt_logprobs (None if none did)."""
+        targets, t = None, 0
+        for w in work:
+            seq, start = w.seq, w.seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                if targets is None:
+                    targets = np.full(num_tokens, -1, np.int32)
+                end = min(start + w.num_tokens, seq.num_prompt_tokens - 1)  # the last prompt token has no target
+                targets[t : t + max(0, end - start)] = seq.prompt_token_ids[start + 1 : end + 1]
+            t += w.num_tokens
+        return targets
+
+    def _record_prompt_logprobs(self, work: list[ScheduledWork], lp: dict[str, np.ndarray]) -> None:
+        t = 0
+        for w in work:
+            seq, start = w.seq, w.seq.num_computed_tokens
+            k = seq.params.prompt_logprobs
+            if k is not None:
+                for i in range(w.num_tokens):
+                    pos = start + i + 1  # the prompt position whose token this row predicts
+                    if pos != len(seq.prompt_logprobs) or pos >= seq.num_prompt_tokens:
+                        continue  # recorded already (recompute after preemption) or past the prompt
+                    row = t + i
+                    top = [(int(a), float(b), r + 1) for r, (a, b) in enumerate(zip(lp["top_ids"][row][:k], lp["top_logprobs"][row][:k]))]
+                    target = seq.prompt_token_ids[pos]
+                    if target not in (a for a, _, _ in top):
+                        top.append((target, float(lp["logprobs"][row]), int(lp["ranks"][row])))
+                    seq.prompt_logprobs.append(top)
+            t += w.num_tokens
 
     def _build(self, work: list[ScheduledWork]):
         seqs = [
@@ -310,10 +344,17 @@ class LLMEngine:
             num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
         )
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None:
+            prompt_logprobs = [
+                None if top is None else {t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in top}
+                for top in first.prompt_logprobs
+            ]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=all(s.is_finished for s in req.seqs),
             metrics=metrics,

@@ -26,6 +26,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)  # log-probability of each generated token
     output_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)  # (token, logprob, rank)
+    # prompt_logprobs[i]: [(token, logprob, rank)] for prompt position i (entry 0 is None: nothing predicts it)
+    prompt_logprobs: list[list[tuple[int, float, int]] | None] = field(default_factory=lambda: [None])
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     page_ids: list[int] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of the leading full, computed pages

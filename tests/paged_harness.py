@@ -12,7 +12,12 @@ from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
-from jaxserve.model.llama import forward
+from jaxserve.model.llama import compute_logits, forward
+
+
+def forward_logits(cfg, weights, kv, inputs):
+    h, kv, _ = forward(cfg, weights, kv, inputs)
+    return compute_logits(weights, h[inputs.logits_indices]), kv
 
 
 class PagedModel:
@@ -26,7 +31,7 @@ class PagedModel:
         self.pages_per_seq = pages_per_seq
         self.kv = init_kv_cache(self.cfg, 1 + num_seqs * pages_per_seq, page_size, jnp.dtype(dtype))
         self.lengths = [0] * num_seqs
-        self._fwd = jax.jit(functools.partial(forward, self.cfg), donate_argnums=(1,))
+        self._fwd = jax.jit(functools.partial(forward_logits, self.cfg), donate_argnums=(1,))
 
     def pages(self, i: int) -> list[int]:
         return list(range(1 + i * self.pages_per_seq, 1 + (i + 1) * self.pages_per_seq))
@@ -38,7 +43,7 @@ class PagedModel:
         bucket = Bucket(num_tokens=num_tokens or T, num_seqs=len(seqs), max_pages=self.pages_per_seq)
         host = build_step_inputs(seqs, bucket, self.page_size)
         host["logits_indices"] = np.arange(bucket.num_tokens, dtype=np.int32)
-        logits, self.kv, _ = self._fwd(self.weights, self.kv, StepInputs(**host))
+        logits, self.kv = self._fwd(self.weights, self.kv, StepInputs(**host))
         logits = np.asarray(logits)
         out, t = {}, 0
         for i, toks in chunks.items():

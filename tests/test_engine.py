@@ -292,3 +292,19 @@ def test_engine_config_from_yaml(tmp_path):
     bad.write_text("max_num_seqs: 4\nblock_sise: 16\n")
     with pytest.raises(ValueError, match="unknown engine option.*block_sise"):
         EngineConfig.from_yaml(str(bad))
+
+
+def test_prompt_logprobs_match_hf(llm, tiny):
+    """prompt_logprobs over a prompt longer than the step budget (so it is computed in chunks)."""
+    p = _prompts(1, seed=14, lo=40, hi=45)[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny[1](torch.tensor([p])).logits[0], -1).numpy()
+    plp = out.prompt_logprobs
+    assert len(plp) == len(p) and plp[0] is None
+    for i in range(1, len(p)):
+        entry = plp[i]
+        assert math.isclose(entry[p[i]].logprob, float(ref[i - 1, p[i]]), abs_tol=1e-4)
+        assert entry[p[i]].rank == 1 + int((ref[i - 1] > ref[i - 1, p[i]]).sum())
+        top2 = np.argsort(-ref[i - 1])[:2].tolist()
+        assert [t for t in entry if entry[t].rank in (1, 2)][:2] == top2

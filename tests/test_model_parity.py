@@ -79,9 +79,10 @@ def test_hidden_states_match_hf(tmp_path):
     bucket = Bucket(num_tokens=len(ids), num_seqs=1, max_pages=m.pages_per_seq)
     host = build_step_inputs([ScheduledSeq(ids, 0, m.pages(0))], bucket, m.page_size)
     fwd = jax.jit(functools.partial(forward, m.cfg, hidden_layer_ids=(0, 1, 2)))
-    _, _, hidden = fwd(m.weights, m.kv, StepInputs(**host))
+    h, _, hidden = fwd(m.weights, m.kv, StepInputs(**host))
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     # HF's hidden_states[i] enters layer i; its last entry is after the final norm, ours (id == L) is before it.
     for j in (0, 1):
         np.testing.assert_allclose(np.asarray(hidden[j]), ref[j][0].numpy(), atol=ATOL)
+    np.testing.assert_allclose(np.asarray(h), ref[-1][0].numpy(), atol=ATOL)

@@ -75,10 +75,11 @@ def forward(
     *,
     hidden_layer_ids: tuple[int, ...] = (),
 ) -> tuple[jax.Array, KVCache, jax.Array | None]:
-    """One ragged step: write the new tokens' KV, attend, and return logits at `inputs.logits_indices`.
+    """One ragged step: write the new tokens' KV, attend, and return the final-normed hidden states.
 
-    Returns (logits f32[S, V], updated cache, hidden f[len(hidden_layer_ids), T, D] or None), where hidden[j] is
-    the residual stream *entering* layer hidden_layer_ids[j] (id == num_layers means the final, pre-norm output).
+    Returns (h f[T, D], updated cache, hidden f[len(hidden_layer_ids), T, D] or None), where hidden[j] is the
+    residual stream *entering* layer hidden_layer_ids[j] (id == num_layers means the final, pre-norm output).
+    Callers take logits only at the rows they need: `compute_logits(weights, h[rows])`.
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -104,9 +105,8 @@ def forward(
         stack = jnp.concatenate([entering, x[None]], axis=0)  # [L+1, T, D]
         hidden = stack[jnp.asarray(hidden_layer_ids)]
 
-    h = rms_norm(x[inputs.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [S, D]
-    logits = compute_logits(weights, h)
-    return logits, KVCache(k=k_cache, v=v_cache), hidden
+    h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)  # [T, D]
+    return h, KVCache(k=k_cache, v=v_cache), hidden
 
 
 def compute_logits(weights: Weights, h: jax.Array) -> jax.Array:
