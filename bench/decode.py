@@ -111,8 +111,8 @@ def profile_steps(eng, prompts: np.ndarray, new_tokens: int) -> dict:
     runner, parts = eng.runner, {k: [] for k in ("step", "run", "dispatch", "wait")}
     run, executable = runner.run, runner.executable
 
-    def timed_executable(bucket):
-        exe = executable(bucket)
+    def timed_executable(*key):
+        exe = executable(*key)
 
         def call(*args):
             t0 = time.perf_counter()

@@ -1,5 +1,6 @@
 """jaxserve: LLM inference on JAX/XLA. Public API only."""
 
+from jaxserve.async_llm import AsyncLLM
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.llm import LLM
@@ -8,6 +9,7 @@ from jaxserve.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "LLMEngine",
     "SamplingParams",
     "EngineConfig",

@@ -156,15 +156,17 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its pages; returns its final output (finish_reason "abort")."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return
+            return None
         now = time.time()
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish("abort", now)
                 self.scheduler.finish(seq)
+        return self._request_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -319,6 +321,10 @@ class LLMEngine:
     def _request_output(self, req: Request) -> RequestOutput:
         completions = []
         for seq, text in zip(req.seqs, req.texts):
+            stops = seq.params.stop_strings
+            if stops and not seq.is_finished:
+                # Hold back what could be the start of a stop string, so streamed text never has to be retracted.
+                text = text[: max(0, len(text) - (max(map(len, stops)) - 1))]
             logprobs = None
             if seq.params.logprobs is not None:
                 logprobs = [

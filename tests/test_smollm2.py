@@ -82,3 +82,16 @@ def test_chat_template_and_reply(llm):
 def test_chat_rejects_malformed_messages(llm):
     with pytest.raises(ValueError, match="must be a dict with 'role' and 'content'"):
         llm.chat([{"content": "no role"}], use_tqdm=False)
+
+
+def test_streamed_text_never_retracted(llm):
+    """Step by step, every partial text is a prefix of the final one, even when a stop string cuts it."""
+    eng = llm.llm_engine
+    eng.add_request("stream", "The capital of France is", SamplingParams(temperature=0, max_tokens=64, stop=["The answer"]))
+    texts = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            texts.append(out.outputs[0].text)
+    final = texts[-1]
+    assert final == " Paris.\n\n"
+    assert all(final.startswith(t) for t in texts)

@@ -1,0 +1,151 @@
+"""AsyncLLM: the engine behind an asyncio API, for servers and concurrent clients.
+
+Threads and queues:
+  - one *engine thread* owns the LLMEngine (which is not thread-safe) and runs its loop: take every pending
+    command (add / abort) from `_commands`, run one `engine.step()` if anything is unfinished, hand each
+    RequestOutput to its request's asyncio queue with `loop.call_soon_threadsafe`, repeat; when idle it blocks
+    on `_commands`, so an idle server burns no CPU;
+  - any number of *asyncio tasks* call `generate()`: each puts an "add" command, then awaits its own
+    `asyncio.Queue` and yields outputs until the finished one. A request that fails validation gets its
+    exception through the same queue, so one bad request never disturbs the others;
+  - leaving the `async for` early (client gone, task cancelled) aborts the request in the engine thread.
+Outputs are cumulative RequestOutputs (text and tokens so far), as vLLM's AsyncLLM yields by default; an aborted
+request ends with a finished output whose finish_reason is "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine, PromptType
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    sink: "_Sink"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class _Sink:
+    """Delivers items from the engine thread into one request's asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, engine_config: EngineConfig | None = None):
+        self.engine = LLMEngine(model, engine_config)
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- asyncio side ---------------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        if self._error is not None:
+            raise RuntimeError(f"the engine loop died: {self._error!r}")
+        sink = _Sink(asyncio.get_running_loop())
+        self._commands.put(_Add(request_id, prompt, sampling_params or SamplingParams(), priority, sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._commands.put(_Stop())
+        self._thread.join(timeout=30)
+
+    # ---- engine thread --------------------------------------------------------------------------------------
+
+    def _apply(self, cmd) -> bool:
+        """Run one command in the engine thread; False means stop."""
+        if isinstance(cmd, _Stop):
+            return False
+        if isinstance(cmd, _Add):
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
+            except Exception as e:  # a bad request fails alone
+                cmd.sink.put(e)
+            else:
+                self._sinks[cmd.request_id] = cmd.sink
+        elif isinstance(cmd, _Abort):
+            sink = self._sinks.pop(cmd.request_id, None)
+            final = self.engine.abort_request(cmd.request_id)
+            if sink is not None and final is not None:
+                sink.put(final)  # finished, finish_reason "abort"
+        return True
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # Block only when there is nothing to compute.
+                block = not self.engine.has_unfinished_requests()
+                try:
+                    cmd = self._commands.get(block=block)
+                    if not self._apply(cmd):
+                        return
+                    while True:
+                        if not self._apply(self._commands.get_nowait()):
+                            return
+                except queue.Empty:
+                    pass
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        sink = self._sinks.get(out.request_id)
+                        if sink is not None:
+                            sink.put(out)
+                            if out.finished:
+                                del self._sinks[out.request_id]
+        except BaseException as e:  # surface engine failures to every waiting client
+            logger.exception("engine loop failed")
+            self._error = e
+            for sink in self._sinks.values():
+                sink.put(RuntimeError(f"the engine loop died: {e!r}"))
+            self._sinks.clear()
