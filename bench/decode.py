@@ -105,45 +105,30 @@ def run_hf(model, prompts: np.ndarray, new_tokens: int) -> dict:
 
 
 def profile_steps(eng, prompts: np.ndarray, new_tokens: int) -> dict:
-    """Median ms per decode step: step() vs runner.run, the executable call (dispatch) and the wait for its result."""
+    """Median ms per decode step: all of step(), runner.run, and the compiled executable (call + wait for result)."""
     import jax
 
-    runner, parts = eng.runner, {k: [] for k in ("step", "run", "dispatch", "wait")}
+    runner, parts = eng.runner, {"step": [], "run": [], "exe": []}
     run, executable = runner.run, runner.executable
 
-    def timed_executable(*key):
-        exe = executable(*key)
-
+    def timed(name, f):
         def call(*args):
             t0 = time.perf_counter()
-            out = exe(*args)
-            t1 = time.perf_counter()
-            jax.block_until_ready(out)
-            parts["dispatch"].append(t1 - t0)
-            parts["wait"].append(time.perf_counter() - t1)
+            out = jax.block_until_ready(f(*args))
+            parts[name].append(time.perf_counter() - t0)
             return out
 
         return call
 
-    def timed_run(*args):
-        t0 = time.perf_counter()
-        out = run(*args)
-        parts["run"].append(time.perf_counter() - t0)
-        return out
-
-    def timed_step(f):
-        t0 = time.perf_counter()
-        f()
-        parts["step"].append(time.perf_counter() - t0)
-
-    runner.run, runner.executable = timed_run, timed_executable  # instance attributes shadow the methods
+    runner.run = timed("run", run)  # instance attributes shadow the methods
+    runner.executable = lambda *key: timed("exe", executable(*key))
     try:
-        run_jaxserve(eng, prompts, new_tokens, step=timed_step)
+        run_jaxserve(eng, prompts, new_tokens, step=lambda f: timed("step", f)())
     finally:
         del runner.run, runner.executable
     n = len(parts["step"])  # keep the decode steps (drop the prefill calls)
     a = {k: 1e3 * np.asarray(v[-n:]) for k, v in parts.items()}
-    a["io"] = a["run"] - a["dispatch"] - a["wait"]  # host<->device transfers inside run
+    a["io"] = a["run"] - a["exe"]  # host->device transfer and fetch of the results
     a["host"] = a["step"] - a["run"]  # schedule, build inputs, postprocess
     return {**{k: round(float(np.median(v)), 3) for k, v in a.items()}, "step_mean": round(float(a["step"].mean()), 3)}
 
@@ -211,28 +196,11 @@ def main() -> None:
     b0 = min(args.batches)
     ours, ref = raw["jaxserve"][b0][0]["tokens"][0], raw["hf"][b0][0]["tokens"][0]
     match = next((i for i, (x, y) in enumerate(zip(ours, ref)) if x != y), min(len(ours), len(ref)))
-    agree = f"Batch-{b0} greedy tokens, first prompt: jaxserve and HF agree on the first {match} of {len(ours)}."
     profile = None if args.no_profile else {b: profile_steps(eng, prompts[:b], args.new_tokens) for b in args.batches}
 
     load1, dcpu, own1 = os.getloadavg(), [y - x for x, y in zip(cpu0, cpu_jiffies())], os.times()
     busy_s = (sum(dcpu) - dcpu[3] - dcpu[4]) / os.sysconf("SC_CLK_TCK")
     others = (busy_s - (own1.user + own1.system - own0.user - own0.system)) / (own1.elapsed - own0.elapsed)
-
-    head = ("batch", "jaxserve decode tok/s", "HF decode tok/s", "jaxserve / HF", "jaxserve steps/s", "% of roofline",
-            "tok/s from median step: jaxserve / HF (ratio)")
-    rows = [head, ("---",) * len(head)]
-    for b, r in results.items():
-        js, hs = r["jaxserve"]["tok_s_median_step"]["median"], r["hf"]["tok_s_median_step"]["median"]
-        rows.append((str(b), fmt(r["jaxserve"]["tok_s"]), fmt(r["hf"]["tok_s"]), f"{r['speedup']:.2f}x",
-                     f"{r['jaxserve_steps_s']:.1f}", f"{r['pct_roofline']:.0f}%",
-                     f"{js:.1f} / {hs:.1f} ({r['speedup_median_step']:.2f}x)"))
-    table = "\n".join("| " + " | ".join(row) + " |" for row in rows)
-    roof = (f"Copy bandwidth {fmt({k: v / 1e9 for k, v in bandwidth.items() if k != 'all'}, 2)} GB/s (read + write); "
-            f"weights {weight_bytes / 1e6:.1f} MB per decode step -> roofline {roofline:.1f} steps/s "
-            f"({1e3 / roofline:.1f} ms/step).")
-    print("\n" + table + "\n\n" + roof + "\n" + agree)
-    for b, p in (profile or {}).items():
-        print(f"profile batch {b} (ms): {p}")
 
     cmd = "HF_HUB_OFFLINE=1 .venv/bin/python bench/decode.py" + "".join(f" {a}" for a in sys.argv[1:])
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
@@ -251,27 +219,49 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode.json"), "w") as f:
         json.dump(record, f, indent=2)
-    md = ["# Decode throughput: jaxserve vs HF transformers", "",
-          f"SmolLM2-135M-Instruct, float32, CPU. Batches of prompts of {args.prompt_len} random token ids, "
-          f"{args.new_tokens} greedy tokens each (EOS ignored). Decode only: timing starts once every sequence has its "
-          f"first token. {args.reps} interleaved rounds, median [min–max]. tok/s = decode tokens / decode wall time; "
-          "the last column uses the median step time instead (less sensitive to bursts of CPU contention).", "",
-          table, "", roof, "", agree, ""]
-    if profile:
-        keys = list(profile[b0])
-        md += ["Per decode step, median ms (a separate run): `step` = `eng.step()`, `run` = `runner.run`, `dispatch` "
-               "= executable call, `wait` = until its result is ready, `io` = run - dispatch - wait (transfers), "
-               "`host` = step - run (schedule, build inputs, postprocess); `step_mean` = mean step.", "",
-               "| batch | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-        md += [f"| {b} | " + " | ".join(f"{p[k]:.2f}" for k in keys) + " |" for b, p in profile.items()] + [""]
-    md += ["Reproduce (from the repository root):", "", f"    {cmd}", "",
-           f"Machine: {cpu}, {env['cpu_count']} CPUs; load average {load0[0]:.2f} before, {load1[0]:.2f} after; "
-           f"other processes used {others:.2f} cores on average during the run; steal {env['steal_pct']:.1f}%. "
-           f"jaxserve {env['git']}, Python {env['python']}, jax/jaxlib {env['jax']}/{env['jaxlib']}, numpy "
-           f"{env['numpy']}, torch {env['torch']} ({env['torch_threads']} threads), transformers {env['transformers']}. "
-           f"{env['date']}.", ""]
+    md = report(record)
     with open(os.path.join(args.out, "decode.md"), "w") as f:
-        f.write("\n".join(md))
+        f.write(md)
+    print("\n" + md)
+
+
+def report(rec: dict) -> str:
+    a, env, prof = rec["args"], rec["env"], rec["profile_ms"]
+    head = ("batch", "jaxserve decode tok/s", "HF decode tok/s", "jaxserve / HF", "jaxserve steps/s", "% of roofline",
+            "tok/s from median step: jaxserve / HF (ratio)")
+    rows = [head, ("---",) * len(head)]
+    for b, r in rec["results"].items():
+        js, hs = r["jaxserve"]["tok_s_median_step"]["median"], r["hf"]["tok_s_median_step"]["median"]
+        rows.append((str(b), fmt(r["jaxserve"]["tok_s"]), fmt(r["hf"]["tok_s"]), f"{r['speedup']:.2f}x",
+                     f"{r['jaxserve_steps_s']:.1f}", f"{r['pct_roofline']:.0f}%",
+                     f"{js:.1f} / {hs:.1f} ({r['speedup_median_step']:.2f}x)"))
+    bw, g = {k: v / 1e9 for k, v in rec["copy_bandwidth_Bps"].items() if k != "all"}, rec["greedy_match"]
+    md = ["# Decode throughput: jaxserve vs HF transformers", "",
+          f"SmolLM2-135M-Instruct, float32, CPU. Batches of prompts of {a['prompt_len']} random token ids, "
+          f"{a['new_tokens']} greedy tokens each (EOS ignored). Decode only: timing starts once every sequence has its "
+          f"first token. {a['reps']} interleaved rounds, median [min–max]. tok/s = decode tokens / decode wall time; "
+          "the last column uses the median step time instead (less sensitive to bursts of CPU contention).", "",
+          *("| " + " | ".join(row) + " |" for row in rows), "",
+          f"Copy bandwidth {fmt(bw, 2)} GB/s (read + write); weights {rec['weight_bytes'] / 1e6:.1f} MB per decode "
+          f"step -> roofline {rec['roofline_steps_s']:.1f} steps/s ({1e3 / rec['roofline_steps_s']:.1f} ms/step).", "",
+          f"Batch-{g['batch']} greedy tokens, first prompt: jaxserve and HF agree on the first {g['prefix']} of {g['of']}.",
+          ""]
+    if prof:
+        keys = list(next(iter(prof.values())))
+        md += ["Per decode step, median ms (a separate run): `step` = `eng.step()`, `run` = `runner.run`, `exe` = the "
+               "compiled step (call until its result is ready), `io` = run - exe (transfers), `host` = step - run "
+               "(schedule, build inputs, postprocess); `step_mean` = mean step.", "",
+               "| batch | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        md += [f"| {b} | " + " | ".join(f"{p[k]:.2f}" for k in keys) + " |" for b, p in prof.items()] + [""]
+    if env["other_processes_cores"] > 0.1:
+        md += ["**Warning:** other processes competed for the CPUs during this run; expect noisy numbers.", ""]
+    md += ["Reproduce (from the repository root):", "", f"    {rec['command']}", "",
+           f"Machine: {env['cpu']}, {env['cpu_count']} CPUs; load average {env['loadavg_before'][0]:.2f} before, "
+           f"{env['loadavg_after'][0]:.2f} after; other processes used {env['other_processes_cores']:.2f} cores on "
+           f"average during the run; steal {env['steal_pct']:.1f}%. jaxserve {env['git']}, Python {env['python']}, "
+           f"jax/jaxlib {env['jax']}/{env['jaxlib']}, numpy {env['numpy']}, torch {env['torch']} "
+           f"({env['torch_threads']} threads), transformers {env['transformers']}. {env['date']}.", ""]
+    return "\n".join(md)
 
 
 if __name__ == "__main__":
