@@ -243,6 +243,7 @@ class LLMEngine:
             sampling["top_k"][row] = p.top_k
             sampling["top_p"][row] = p.top_p
             sampling["min_p"][row] = p.min_p
+            sampling["wants_logprobs"][row] = p.logprobs is not None
             if p.seed is not None:  # same seed -> same draws, whatever shares the batch
                 sampling["seeds"][row] = _mix32(p.seed, seq.index, len(seq.output_token_ids))
             else:

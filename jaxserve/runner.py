@@ -7,11 +7,11 @@ time per bucket (`warmup`) or on first use, and counted, so tests can prove stea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jaxserve.batch import Bucket, StepInputs
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import KVCache, init_kv_cache, kv_cache_bytes
 from jaxserve.model.llama import Weights, compute_logits, forward
+from jaxserve.packing import Layout, as_float, pack_outputs
 from jaxserve.sampler import SamplerOutput, SamplingInputs, sample
 
 logger = logging.getLogger(__name__)
@@ -36,23 +37,40 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class PromptLogprobs:
-    """Log-probabilities of each token's *next* prompt token (rows whose target is -1 are meaningless)."""
-
-    logprobs: jax.Array  # f32[T]
-    ranks: jax.Array  # i32[T]
-    top_ids: jax.Array  # i32[T, max_logprobs]
-    top_logprobs: jax.Array  # f32[T, max_logprobs]
-
-
-def prompt_logprobs(logits: jax.Array, targets: jax.Array, max_logprobs: int) -> PromptLogprobs:
-    """logits: f32[T, V], targets: i32[T] (-1 = none) -> PromptLogprobs."""
+def prompt_logprobs(logits: jax.Array, targets: jax.Array, max_logprobs: int) -> jax.Array:
+    """Log-probabilities of each token's *next* prompt token. logits: f32[T, V], targets: i32[T] (-1 = none)
+    -> packed i32[T, 2 + 2k]: rank, top ids (k), then bit-cast floats: logprob, top logprobs (k)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logp, max_logprobs)
-    return PromptLogprobs(chosen[:, 0], 1 + jnp.sum(logp > chosen, axis=-1).astype(jnp.int32), top_ids, top_logprobs)
+    if max_logprobs:
+        top_logprobs, top_ids = jax.lax.top_k(logp, max_logprobs)
+    else:
+        top_logprobs, top_ids = jnp.zeros((logits.shape[0], 0), jnp.float32), jnp.zeros((logits.shape[0], 0), jnp.int32)
+    ranks = 1 + jnp.sum(logp > chosen, axis=-1)
+    return pack_outputs([ranks, top_ids], [chosen, top_logprobs])
+
+
+def _pack_sampled(s: SamplerOutput) -> jax.Array:
+    """-> i32[S, 2 + 2k]: token, rank, top ids (k), then bit-cast floats: logprob, top logprobs (k)."""
+    return pack_outputs([s.token_ids, s.ranks, s.top_ids], [s.logprobs, s.top_logprobs])
+
+
+def unpack_sampled(a: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    return dict(
+        token_ids=a[:, 0],
+        ranks=a[:, 1],
+        top_ids=a[:, 2 : 2 + k],
+        logprobs=as_float(a[:, 2 + k]),
+        top_logprobs=as_float(a[:, 3 + k : 3 + 2 * k]),
+    )
+
+
+def unpack_prompt_logprobs(a: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    return dict(ranks=a[:, 0], top_ids=a[:, 1 : 1 + k], logprobs=as_float(a[:, 1 + k]), top_logprobs=as_float(a[:, 2 + k :]))
+
+
+_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs))
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingInputs))
 
 
 def step_fn(
@@ -60,17 +78,21 @@ def step_fn(
     max_logprobs: int,
     weights: Weights,
     kv: KVCache,
-    inputs: StepInputs,
-    sampling: SamplingInputs,
-    prompt_targets: jax.Array | None = None,  # i32[T]; given only to the prompt-logprobs variant
-) -> tuple[tuple[SamplerOutput, PromptLogprobs | None], KVCache]:
+    ints: jax.Array,  # i32[*]  packed StepInputs + integer sampling arrays (+ prompt_targets)
+    floats: jax.Array,  # f32[*]  packed float sampling arrays
+    *,
+    layout: Layout,
+) -> tuple[tuple[jax.Array, jax.Array | None], KVCache]:
+    a = layout.unpack(ints, floats)
+    inputs = StepInputs(**{k: a[k] for k in _STEP_FIELDS})
+    sampling = SamplingInputs(**{k: a[k] for k in _SAMPLING_FIELDS})
     h, kv, _ = forward(model_cfg, weights, kv, inputs)
-    if prompt_targets is None:
+    if "prompt_targets" not in a:
         logits = compute_logits(weights, h[inputs.logits_indices])
-        return (sample(logits, sampling, max_logprobs=max_logprobs), None), kv
+        return (_pack_sampled(sample(logits, sampling, max_logprobs=max_logprobs)), None), kv
     all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
     sampled = sample(all_logits[inputs.logits_indices], sampling, max_logprobs=max_logprobs)
-    return (sampled, prompt_logprobs(all_logits, prompt_targets, max(max_logprobs, 1))), kv
+    return (_pack_sampled(sampled), prompt_logprobs(all_logits, a["prompt_targets"], max_logprobs)), kv
 
 
 class ModelRunner:
@@ -89,8 +111,11 @@ class ModelRunner:
         )
         self.kv = init_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.dtype)
         self._jitted = jax.jit(
-            functools.partial(step_fn, model_cfg, engine_cfg.max_logprobs), donate_argnums=(1,)
+            functools.partial(step_fn, model_cfg, engine_cfg.max_logprobs),
+            static_argnames=("layout",),
+            donate_argnames=("kv",),
         )
+        self._layouts: dict[tuple[Bucket, bool], Layout] = {}
         self._executables: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}
         self.num_compiles = 0
 
@@ -102,27 +127,27 @@ class ModelRunner:
             for p in cfg.page_buckets
         ]
 
-    def _abstract_inputs(self, b: Bucket):
-        def i32(*shape):
-            return jax.ShapeDtypeStruct(shape, jnp.int32)
-
-        inputs = StepInputs(
-            token_ids=i32(b.num_tokens),
-            positions=i32(b.num_tokens),
-            slot_mapping=i32(b.num_tokens),
-            block_tables=i32(b.num_seqs, b.max_pages),
-            seq_lens=i32(b.num_seqs),
-            cu_q_lens=i32(b.num_seqs + 1),
-            num_seqs=i32(),
-            logits_indices=i32(b.num_seqs),
-        )
-        sampling = SamplingInputs(
-            **{
-                k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-                for k, v in SamplingInputs.host_arrays(b.num_seqs, b.max_pages * self.engine_cfg.page_size).items()
-            }
-        )
-        return inputs, sampling
+    def layout(self, b: Bucket, prompt_logprobs: bool = False) -> Layout:
+        """Where every step input lives in the packed buffers, for bucket `b`."""
+        key = (b, prompt_logprobs)
+        if key not in self._layouts:
+            T, S, P = b.num_tokens, b.num_seqs, b.max_pages
+            specs = dict(
+                token_ids=((T,), "int32"),
+                positions=((T,), "int32"),
+                slot_mapping=((T,), "int32"),
+                block_tables=((S, P), "int32"),
+                seq_lens=((S,), "int32"),
+                cu_q_lens=((S + 1,), "int32"),
+                num_seqs=((), "int32"),
+                logits_indices=((S,), "int32"),
+            )
+            sampling = SamplingInputs.host_arrays(S, P * self.engine_cfg.page_size)
+            specs |= {k: (v.shape, v.dtype.name) for k, v in sampling.items()}
+            if prompt_logprobs:
+                specs["prompt_targets"] = ((T,), "int32")
+            self._layouts[key] = Layout.of(specs)
+        return self._layouts[key]
 
     def executable(self, bucket: Bucket, prompt_logprobs: bool = False) -> jax.stages.Compiled:
         """The compiled step for `bucket` (the prompt-logprobs variant computes logits at every token)."""
@@ -130,9 +155,10 @@ class ModelRunner:
         exe = self._executables.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            inputs, sampling = self._abstract_inputs(bucket)
-            extra = (jax.ShapeDtypeStruct((bucket.num_tokens,), jnp.int32),) if prompt_logprobs else ()
-            exe = self._jitted.lower(self.weights, self.kv, inputs, sampling, *extra).compile()
+            lay = self.layout(bucket, prompt_logprobs)
+            ints = jax.ShapeDtypeStruct((lay.int_size,), jnp.int32)
+            floats = jax.ShapeDtypeStruct((lay.float_size,), jnp.float32)
+            exe = self._jitted.lower(self.weights, self.kv, ints, floats, layout=lay).compile()
             self._executables[key] = exe
             self.num_compiles += 1
             logger.info("compiled %s%s in %.1f s", bucket, " (prompt logprobs)" if prompt_logprobs else "", time.perf_counter() - t0)
@@ -156,11 +182,17 @@ class ModelRunner:
         sampling: dict[str, np.ndarray],
         prompt_targets: np.ndarray | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
-        """One step. Returns the sampler's outputs and, if `prompt_targets` was given, prompt log-probabilities."""
-        exe = self.executable(bucket, prompt_targets is not None)
-        args = (StepInputs(**inputs), SamplingInputs(**sampling))
-        if prompt_targets is not None:
-            args += (prompt_targets,)
-        (sampled, prompt_lp), self.kv = exe(self.weights, self.kv, *jax.device_put(args))
+        """One step: two transfers in, one executable call, one or two fetches out.
+
+        Returns the sampler's outputs and, if `prompt_targets` was given, prompt log-probabilities.
+        """
+        with_prompt = prompt_targets is not None
+        exe = self.executable(bucket, with_prompt)
+        arrays = inputs | sampling
+        if with_prompt:
+            arrays["prompt_targets"] = prompt_targets
+        ints, floats = self.layout(bucket, with_prompt).pack(arrays)
+        (sampled, prompt_lp), self.kv = exe(self.weights, self.kv, *jax.device_put((ints, floats)))
+        k = self.engine_cfg.max_logprobs
         sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
-        return vars(sampled), (vars(prompt_lp) if prompt_lp is not None else None)
+        return unpack_sampled(sampled, k), (unpack_prompt_logprobs(prompt_lp, k) if with_prompt else None)

@@ -37,6 +37,7 @@ class SamplingInputs:
     history: jax.Array  # i32[S, C]  prompt + output token ids, -1 padded (only filled for rows with penalties)
     history_is_output: jax.Array  # bool[S, C]
     banned: jax.Array  # i32[S, MAX_BANNED]  token ids to suppress this step, -1 padded
+    wants_logprobs: jax.Array  # bool[S]  top-k logprobs and ranks are only computed if some row wants them
 
     @staticmethod
     def host_arrays(num_rows: int, history_len: int) -> dict[str, np.ndarray]:
@@ -53,6 +54,7 @@ class SamplingInputs:
             history=np.full((num_rows, history_len), -1, np.int32),
             history_is_output=np.zeros((num_rows, history_len), np.bool_),
             banned=np.full((num_rows, MAX_BANNED), -1, np.int32),
+            wants_logprobs=np.zeros(num_rows, np.bool_),
         )
 
 
@@ -100,6 +102,16 @@ def _identity(x: jax.Array, _: SamplingInputs) -> jax.Array:
     return x
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """First index of the maximum along the last axis: f32[S, V] -> i32[S].
+
+    Same result as jnp.argmax, ~4x faster on XLA:CPU, whose variadic (value, index) reduction is slow.
+    """
+    V = x.shape[-1]
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def sample(logits: jax.Array, s: SamplingInputs, *, max_logprobs: int) -> SamplerOutput:
     """logits: f32[S, V] -> SamplerOutput."""
     S, V = logits.shape
@@ -113,7 +125,7 @@ def sample(logits: jax.Array, s: SamplingInputs, *, max_logprobs: int) -> Sample
     x = jax.lax.cond(needs_penalty, apply_penalties, _identity, x, s)
 
     is_random = s.temperature > 0
-    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    greedy = argmax(x)
     scaled = x / jnp.where(is_random, s.temperature, 1.0)[:, None]
     needs_truncation = jnp.any(is_random & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)))
     scaled = jax.lax.cond(needs_truncation, _truncate, _identity, scaled, s)
@@ -122,7 +134,7 @@ def sample(logits: jax.Array, s: SamplingInputs, *, max_logprobs: int) -> Sample
         return jax.random.gumbel(jax.random.key(seed), (V,), jnp.float32)
 
     def draw(scaled, seeds):
-        return jnp.argmax(scaled + jax.vmap(gumbel_row)(seeds), axis=-1).astype(jnp.int32)
+        return argmax(scaled + jax.vmap(gumbel_row)(seeds))
 
     def no_draw(scaled, seeds):
         return jnp.zeros((S,), jnp.int32)
@@ -131,11 +143,16 @@ def sample(logits: jax.Array, s: SamplingInputs, *, max_logprobs: int) -> Sample
     token_ids = jnp.where(is_random, drawn, greedy)
 
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)
-    ranks = 1 + jnp.sum(raw > chosen, axis=-1).astype(jnp.int32)
-    if max_logprobs:
+
+    def ranked(raw, chosen):
+        ranks = 1 + jnp.sum(raw > chosen, axis=-1).astype(jnp.int32)
         top_logprobs, top_ids = jax.lax.top_k(raw, max_logprobs)
-    else:
-        top_logprobs, top_ids = jnp.zeros((S, 0), jnp.float32), jnp.zeros((S, 0), jnp.int32)
+        return ranks, top_ids.astype(jnp.int32), top_logprobs
+
+    def unranked(raw, chosen):
+        return jnp.zeros((S,), jnp.int32), jnp.zeros((S, max_logprobs), jnp.int32), jnp.zeros((S, max_logprobs), jnp.float32)
+
+    ranks, top_ids, top_logprobs = jax.lax.cond(jnp.any(s.wants_logprobs), ranked, unranked, raw, chosen)
     return SamplerOutput(
-        token_ids=token_ids, logprobs=chosen[:, 0], ranks=ranks, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs
+        token_ids=token_ids, logprobs=chosen[:, 0], ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs
     )

@@ -46,6 +46,12 @@ def _assert_distribution(tokens, probs):
 
 def test_greedy_is_argmax():
     assert (_draw(n=64, temperature=0.0) == 0).all()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 1000)).astype(np.float32)
+    x[1, [3, 700]] = 10.0  # ties resolve to the first index, as np.argmax does
+    from jaxserve.sampler import argmax
+
+    assert np.asarray(argmax(jnp.asarray(x))).tolist() == np.argmax(x, axis=-1).tolist()
 
 
 @pytest.mark.parametrize("t", [0.5, 1.0, 2.0])
@@ -139,7 +145,11 @@ def test_seeded_row_ignores_companions():
 
 
 def test_logprobs_are_raw_and_ranked():
-    out = _sample(jnp.asarray(np.tile(LOGITS, (3, 1))), _inputs(3, temperature=[0.0, 1.0, 1.0], top_k=[0, 1, 0]), max_logprobs=3)
+    out = _sample(
+        jnp.asarray(np.tile(LOGITS, (3, 1))),
+        _inputs(3, temperature=[0.0, 1.0, 1.0], top_k=[0, 1, 0], wants_logprobs=[True, False, False]),
+        max_logprobs=3,
+    )
     raw = LOGITS - np.log(np.exp(LOGITS).sum())
     np.testing.assert_allclose(np.asarray(out.top_logprobs), np.tile(raw[:3], (3, 1)), rtol=1e-5)
     assert np.asarray(out.top_ids).tolist() == [[0, 1, 2]] * 3
