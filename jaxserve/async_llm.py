@@ -56,7 +56,10 @@ class _Sink:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the client's event loop is closed: nobody is listening any more
+            pass
 
 
 class AsyncLLM:

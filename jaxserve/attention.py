@@ -7,11 +7,30 @@ pages are addressed as pool pages `i * P + p` so no layer slice is ever copied.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 
 from jaxserve.batch import StepInputs
 from jaxserve.kv_cache import layer_pages
 from pallas_kernels.ragged_paged_attention import reference
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TokenMetadata:
+    """Per-token facts of a ragged batch, computed once per step and shared by every layer."""
+
+    seq: jax.Array  # i32[T]  sequence index of each token
+    pos: jax.Array  # i32[T]  absolute position
+    is_real: jax.Array  # bool[T]
+
+
+def token_metadata(inputs: StepInputs) -> TokenMetadata:
+    seq, pos, is_real = reference.token_metadata(
+        inputs.cu_q_lens, inputs.seq_lens, inputs.num_seqs, inputs.token_ids.shape[0]
+    )
+    return TokenMetadata(seq, pos, is_real)
 
 
 def ragged_paged_attention(
@@ -20,17 +39,18 @@ def ragged_paged_attention(
     v_cache: jax.Array,  # f[L, P, page_size, K, H]
     layer: jax.Array,  # i32[]
     inputs: StepInputs,
+    meta: TokenMetadata,
     *,
     sm_scale: float,
 ) -> jax.Array:  # f[T, N, H]
     num_pages = k_cache.shape[1]
-    return reference.ragged_paged_attention(
+    return reference.attend(
         q,
         layer_pages(k_cache),
         layer_pages(v_cache),
         inputs.block_tables + layer * num_pages,
-        inputs.seq_lens,
-        inputs.cu_q_lens,
-        inputs.num_seqs,
+        meta.seq,
+        meta.pos,
+        meta.is_real,
         sm_scale=sm_scale,
     )

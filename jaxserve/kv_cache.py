@@ -65,6 +65,12 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter one layer's new keys/values into their slots (in place when the cache is donated)."""
     page_size = k_cache.shape[2]
+    # One extra write into the sink slot (page 0, offset 0) keeps this a scatter even for a single token. XLA
+    # turns a one-element scatter into a dynamic-update-slice, and for that form XLA:CPU copied the whole cache
+    # around the attention loops that read it (tests/test_engine.py::test_kv_cache_is_never_copied).
+    slot_mapping = jnp.concatenate([slot_mapping, jnp.zeros((1,), slot_mapping.dtype)])
+    k = jnp.concatenate([k, jnp.zeros((1, *k.shape[1:]), k.dtype)])
+    v = jnp.concatenate([v, jnp.zeros((1, *v.shape[1:]), v.dtype)])
     page, offset = slot_mapping // page_size, slot_mapping % page_size
     k_cache = k_cache.at[layer, page, offset].set(k.astype(k_cache.dtype), mode="promise_in_bounds")
     v_cache = v_cache.at[layer, page, offset].set(v.astype(v_cache.dtype), mode="promise_in_bounds")

@@ -42,14 +42,14 @@ def _case(rng, q_lens, kv_lens, *, N=4, K=2, H=16, page_size=4, max_pages=8, pad
         ([4, 2], [4 * 3, 4]),  # chunk ending exactly on a page boundary
     ],
 )
-@pytest.mark.parametrize("block_q", [1, 4, 16])
-def test_matches_dense(q_lens, kv_lens, block_q):
+@pytest.mark.parametrize("block_q,chunk_pages", [(1, 1), (4, 2), (16, 3), (32, 16)])
+def test_matches_dense(q_lens, kv_lens, block_q, chunk_pages):
     rng = np.random.default_rng(0)
     q, kp, vp, bt, sl, cu, dense = _case(rng, q_lens, kv_lens)
     out = np.asarray(
         ragged_paged_attention(
             jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(bt), jnp.asarray(sl), jnp.asarray(cu),
-            jnp.asarray(len(q_lens), jnp.int32), sm_scale=0.25, block_q=block_q,
+            jnp.asarray(len(q_lens), jnp.int32), sm_scale=0.25, block_q=block_q, chunk_pages=chunk_pages,
         )
     )
     t = 0

@@ -84,6 +84,7 @@ def forward(
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     x = weights.embed[inputs.token_ids]  # [T, D]
+    meta = attention.token_metadata(inputs)
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
@@ -91,7 +92,7 @@ def forward(
         with jax.named_scope("attention"):
             q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq)
             k_cache, v_cache = write_kv(k_cache, v_cache, i, k, v, inputs.slot_mapping)
-            o = attention.ragged_paged_attention(q, k_cache, v_cache, i, inputs, sm_scale=sm_scale)
+            o = attention.ragged_paged_attention(q, k_cache, v_cache, i, inputs, meta, sm_scale=sm_scale)
             h = x + o.reshape(x.shape[0], -1) @ w.wo
         with jax.named_scope("mlp"):
             out = h + gated_mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)

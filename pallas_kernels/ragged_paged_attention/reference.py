@@ -9,9 +9,9 @@ The new tokens are the *last* `q_len` positions of the sequence, so query i of s
 Tokens at index >= `cu_q_lens[num_seqs]` are padding: their output is zero. Block-table entries past a sequence's
 length may point anywhere (the engine uses page 0, the padding sink); they are masked.
 
-Algorithm (kept simple on purpose; the Pallas kernel must match it): tokens are processed in tiles of `block_q`;
-each token gathers the pages of its own sequence, scores them, masks non-causal and out-of-range positions, and
-takes a float32 softmax. Cost is O(T * max_pages * page_size) per call.
+Algorithm (the Pallas kernel computes the same thing): tokens are processed in tiles of `block_q`; each tile walks
+the pages of its tokens' sequences chunk by chunk with an online float32 softmax, masking non-causal and
+out-of-range positions, and stops at the last chunk any of its tokens can see.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def token_metadata(cu_q_lens: jax.Array, seq_lens: jax.Array, num_seqs: jax.Arra
     return seq, pos, is_real
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "chunk_pages"))
 def ragged_paged_attention(
     q: jax.Array,  # f[T, N, H]
     k_pages: jax.Array,  # f[P, page_size, K, H]
@@ -49,18 +49,49 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
-    block_q: int = 16,
+    block_q: int = 32,
+    chunk_pages: int = 8,
 ) -> jax.Array:  # f[T, N, H]
+    seq, pos, is_real = token_metadata(cu_q_lens, seq_lens, num_seqs, q.shape[0])
+    return attend(
+        q, k_pages, v_pages, block_tables, seq, pos, is_real, sm_scale=sm_scale, block_q=block_q, chunk_pages=chunk_pages
+    )
+
+
+def attend(
+    q: jax.Array,  # f[T, N, H]
+    k_pages: jax.Array,  # f[P, page_size, K, H]
+    v_pages: jax.Array,  # f[P, page_size, K, H]
+    block_tables: jax.Array,  # i32[S, max_pages]
+    seq: jax.Array,  # i32[T]   sequence of each token
+    pos: jax.Array,  # i32[T]   absolute position of each token
+    is_real: jax.Array,  # bool[T]
+    *,
+    sm_scale: float,
+    block_q: int = 32,
+    chunk_pages: int = 8,
+) -> jax.Array:  # f[T, N, H]
+    """The body of `ragged_paged_attention`, given per-token metadata (callers running many layers over one batch
+    compute the metadata once).
+
+    Tokens go in tiles of `block_q`; each tile walks its keys in chunks of `chunk_pages` pages with an online
+    (flash) softmax, and stops after the chunk holding its last token's position, so no work is spent on padded
+    block-table columns or on keys in every query's future. A tile whose real tokens all belong to one sequence
+    (a prefill chunk) gathers that sequence's pages once per chunk instead of once per token.
+    """
     T, N, H = q.shape
     _, page_size, K, _ = k_pages.shape
     S, max_pages = block_tables.shape
     if N % K:
         raise ValueError(f"query heads ({N}) must be a multiple of kv heads ({K})")
     G = N // K
-    ctx = max_pages * page_size
-
-    seq, pos, is_real = token_metadata(cu_q_lens, seq_lens, num_seqs, T)
     block_q = min(block_q, T)
+    # Few query rows (decode) -> longer key chunks, so the chunk loop runs few iterations; the gathered chunk
+    # (block_q x C keys) stays about the same size either way.
+    chunk_pages = min(max(chunk_pages, chunk_pages * 32 // block_q), max_pages)
+    C = chunk_pages * page_size  # keys per chunk
+    num_chunks = -(-max_pages // chunk_pages)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk_pages - max_pages)))  # padding -> page 0, masked
     num_tiles = -(-T // block_q)
     pad = num_tiles * block_q - T
 
@@ -70,16 +101,53 @@ def ragged_paged_attention(
 
     def one_tile(args):
         q_t, seq_t, pos_t, real_t = args  # [B, N, H], [B], [B], [B]
-        pages = block_tables[seq_t]  # [B, max_pages]
-        k = k_pages[pages].reshape(block_q, ctx, K, H)
-        v = v_pages[pages].reshape(block_q, ctx, K, H)
-        qg = q_t.reshape(block_q, K, G, H)
-        s = jnp.einsum("bkgh,bckh->bkgc", qg, k, preferred_element_type=jnp.float32) * sm_scale
-        visible = (jnp.arange(ctx)[None, :] <= pos_t[:, None]) & real_t[:, None]  # [B, ctx]
-        s = jnp.where(visible[:, None, None, :], s, _MASKED)
-        p = jax.nn.softmax(s, axis=-1)
-        v = jnp.where(visible[:, :, None, None], v, 0)  # stale or NaN values in unused slots must not leak (0 * NaN)
-        o = jnp.einsum("bkgc,bckh->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        qg = q_t.reshape(block_q, K, G, H).astype(jnp.float32) * sm_scale
+        last = jnp.where(real_t, pos_t, -1)  # last visible key position per token (-1: none)
+        single = jnp.all((seq_t == seq_t[0]) | ~real_t)
+        tables_t = tables[seq_t]  # [B, num_chunks * chunk_pages]
+
+        def chunk(j, carry):
+            m, l, acc = carry  # running max f32[B, K, G], sum f32[B, K, G], output f32[B, K, G, H]
+            pages = jax.lax.dynamic_slice_in_dim(tables_t, j * chunk_pages, chunk_pages, axis=1)  # [B, chunk_pages]
+            visible = (j * C + jnp.arange(C))[None, :] <= last[:, None]  # [B, C]
+
+            def scores_one():  # the whole tile is one sequence: one gather for all its tokens
+                k = k_pages[pages[0]].reshape(C, K, H)
+                v = v_pages[pages[0]].reshape(C, K, H)
+                v = jnp.where(jnp.any(visible, 0)[:, None, None], v, 0)  # stale/NaN slots must not leak (0 * NaN)
+                return jnp.einsum("bkgh,ckh->bkgc", qg, k, preferred_element_type=jnp.float32), v
+
+            def scores_each():
+                k = k_pages[pages].reshape(block_q, C, K, H)
+                v = v_pages[pages].reshape(block_q, C, K, H)
+                v = jnp.where(visible[:, :, None, None], v, 0)
+                return jnp.einsum("bkgh,bckh->bkgc", qg, k, preferred_element_type=jnp.float32), v
+
+            def update(s, v, pv_spec):
+                s = jnp.where(visible[:, None, None, :], s, _MASKED)
+                m_new = jnp.maximum(m, s.max(-1))
+                p = jnp.where(visible[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+                scale = jnp.exp(m - m_new)
+                pv = jnp.einsum(pv_spec, p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+                return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
+
+            return jax.lax.cond(
+                single,
+                lambda: update(*scores_one(), "bkgc,ckh->bkgh"),
+                lambda: update(*scores_each(), "bkgc,bckh->bkgh"),
+            )
+
+        init = (
+            jnp.full((block_q, K, G), _MASKED, jnp.float32),
+            jnp.zeros((block_q, K, G), jnp.float32),
+            jnp.zeros((block_q, K, G, H), jnp.float32),
+        )
+        if num_chunks == 1:  # no loop at all: its per-layer overhead is ~10% of a batch-1 decode step on CPU
+            _, l, acc = chunk(0, init)
+        else:
+            needed = jnp.minimum((jnp.max(last) + C) // C, num_chunks)  # chunks up to the tile's last visible key
+            _, l, acc = jax.lax.fori_loop(0, needed, chunk, init)
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
         o = jnp.where(real_t[:, None, None, None], o, 0.0)
         return o.reshape(block_q, N, H).astype(q.dtype)
 
