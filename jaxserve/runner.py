@@ -1,6 +1,6 @@
 """ModelRunner: owns the device weights and the KV cache; the only module that transfers, compiles and fetches.
 
-One step = one host->device transfer of the padded inputs, one call of the executable compiled for that bucket
+One step = one host->device transfer of the padded inputs (packed into one buffer, `packing.py`), one call of the executable compiled for that bucket
 (KV cache donated, so it is updated in place), one fetch of the sampled tokens. Executables are compiled ahead of
 time per bucket (`warmup`) or on first use, and counted, so tests can prove steady state never recompiles.
 """
@@ -78,12 +78,11 @@ def step_fn(
     max_logprobs: int,
     weights: Weights,
     kv: KVCache,
-    ints: jax.Array,  # i32[*]  packed StepInputs + integer sampling arrays (+ prompt_targets)
-    floats: jax.Array,  # f32[*]  packed float sampling arrays
+    packed: jax.Array,  # i32[*]  StepInputs + SamplingInputs (+ prompt_targets), see `layout`
     *,
     layout: Layout,
 ) -> tuple[tuple[jax.Array, jax.Array | None], KVCache]:
-    a = layout.unpack(ints, floats)
+    a = layout.unpack(packed)
     inputs = StepInputs(**{k: a[k] for k in _STEP_FIELDS})
     sampling = SamplingInputs(**{k: a[k] for k in _SAMPLING_FIELDS})
     h, kv, _ = forward(model_cfg, weights, kv, inputs)
@@ -156,9 +155,8 @@ class ModelRunner:
         if exe is None:
             t0 = time.perf_counter()
             lay = self.layout(bucket, prompt_logprobs)
-            ints = jax.ShapeDtypeStruct((lay.int_size,), jnp.int32)
-            floats = jax.ShapeDtypeStruct((lay.float_size,), jnp.float32)
-            exe = self._jitted.lower(self.weights, self.kv, ints, floats, layout=lay).compile()
+            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32)
+            exe = self._jitted.lower(self.weights, self.kv, packed, layout=lay).compile()
             self._executables[key] = exe
             self.num_compiles += 1
             logger.info("compiled %s%s in %.1f s", bucket, " (prompt logprobs)" if prompt_logprobs else "", time.perf_counter() - t0)
@@ -182,7 +180,7 @@ class ModelRunner:
         sampling: dict[str, np.ndarray],
         prompt_targets: np.ndarray | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
-        """One step: two transfers in, one executable call, one or two fetches out.
+        """One step: one transfer in, one executable call, one fetch out.
 
         Returns the sampler's outputs and, if `prompt_targets` was given, prompt log-probabilities.
         """
@@ -191,8 +189,8 @@ class ModelRunner:
         arrays = inputs | sampling
         if with_prompt:
             arrays["prompt_targets"] = prompt_targets
-        ints, floats = self.layout(bucket, with_prompt).pack(arrays)
-        (sampled, prompt_lp), self.kv = exe(self.weights, self.kv, *jax.device_put((ints, floats)))
+        packed = jax.device_put(self.layout(bucket, with_prompt).pack(arrays))
+        (sampled, prompt_lp), self.kv = exe(self.weights, self.kv, packed)
         k = self.engine_cfg.max_logprobs
         sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
         return unpack_sampled(sampled, k), (unpack_prompt_logprobs(prompt_lp, k) if with_prompt else None)
