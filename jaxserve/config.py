@@ -118,12 +118,6 @@ class EngineConfig:
         """Padded pages-per-sequence counts for block tables (attention cost follows this, not max_model_len)."""
         return _pow2_buckets(min(8, self.max_pages_per_seq), self.max_pages_per_seq)
 
-    @property
-    def total_pages(self) -> int:
-        if self.num_pages is not None:
-            return self.num_pages
-        return 1 + self.max_num_seqs * self.max_pages_per_seq
-
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 

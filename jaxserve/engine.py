@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
@@ -80,7 +81,7 @@ class LLMEngine:
                 "raise num_pages"
             )
         self.config = engine_config
-        weights = to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype) if dtype != "bfloat16" else _bf16(), ckpt.path)
+        weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(dtype), ckpt.path)
         del ckpt
         self.runner = ModelRunner(self.model_config, engine_config, weights, dtype)
         if engine_config.precompile:
@@ -370,8 +371,3 @@ class LLMEngine:
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
 
-
-def _bf16():
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)

@@ -21,14 +21,6 @@ class KVCache:
     k: jax.Array  # f[L, P, page_size, K, H]
     v: jax.Array  # f[L, P, page_size, K, H]
 
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[2]
-
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
     return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)

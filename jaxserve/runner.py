@@ -101,7 +101,9 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         enable_compilation_cache()
         self.weights = jax.device_put(host_weights)
-        num_pages = engine_cfg.total_pages
+        num_pages = engine_cfg.num_pages
+        if num_pages is None:
+            raise ValueError("ModelRunner needs a resolved num_pages (LLMEngine resolves it from the memory budget)")
         logger.info(
             "KV cache: %d pages x %d tokens, %.1f MiB",
             num_pages,

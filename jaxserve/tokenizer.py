@@ -33,6 +33,17 @@ class Tokenizer:
         # HF tokenizer.json files carry a post-processor that adds BOS itself; GGUF-built ones do not.
         self._use_post_processor = use_post_processor
 
+    @classmethod
+    def from_gguf(cls, gt) -> "Tokenizer":
+        """From the `GGUFTokenizer` that `jaxserve.loader.gguf.read_gguf` builds out of GGUF metadata."""
+        return cls(
+            gt.tokenizer,
+            bos_token_id=gt.bos_token_id,
+            eos_token_ids=gt.eos_token_ids,
+            add_bos=gt.add_bos,
+            chat_template=gt.chat_template,
+        )
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -11,8 +11,7 @@ def tok():
     from jaxserve.tokenizer import Tokenizer
 
     _, _, gt = read_gguf(default_model_path())
-    return Tokenizer(gt.tokenizer, bos_token_id=gt.bos_token_id, eos_token_ids=gt.eos_token_ids, add_bos=gt.add_bos,
-                     chat_template=gt.chat_template)
+    return Tokenizer.from_gguf(gt)
 
 
 @pytest.mark.parametrize("text", ["héllo 世界 🎉 naïve", "plain ascii, with 123 digits", "emoji🎉🎉 and ß∑"])

@@ -48,11 +48,4 @@ def load_checkpoint(model: str | None) -> Checkpoint:
     from jaxserve.loader.gguf import read_gguf
 
     config, tensors, gt = read_gguf(path)
-    tokenizer = Tokenizer(
-        gt.tokenizer,
-        bos_token_id=gt.bos_token_id,
-        eos_token_ids=gt.eos_token_ids,
-        add_bos=gt.add_bos,
-        chat_template=gt.chat_template,
-    )
-    return Checkpoint(path, config, tensors, tokenizer)
+    return Checkpoint(path, config, tensors, Tokenizer.from_gguf(gt))
