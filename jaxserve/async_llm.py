@@ -75,6 +75,11 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def is_running(self) -> bool:
+        """False once the engine thread has stopped: shut down, or died on an engine failure."""
+        return self._thread.is_alive() and self._error is None
+
     # ---- asyncio side ---------------------------------------------------------------------------------------
 
     async def generate(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxserve.batch import StepInputs
-from jaxserve.kv_cache import layer_pages
+from jaxserve.kv_cache import KVCache, layer_pages
 from pallas_kernels.ragged_paged_attention import reference
 
 
@@ -35,22 +35,23 @@ def token_metadata(inputs: StepInputs) -> TokenMetadata:
 
 def ragged_paged_attention(
     q: jax.Array,  # f[T, N, H]
-    k_cache: jax.Array,  # f[L, P, page_size, K, H]
-    v_cache: jax.Array,  # f[L, P, page_size, K, H]
+    kv: KVCache,  # [L, P, page_size, K, H] values (+ f32[L, P, page_size, K] scales when quantized)
     layer: jax.Array,  # i32[]
     inputs: StepInputs,
     meta: TokenMetadata,
     *,
     sm_scale: float,
 ) -> jax.Array:  # f[T, N, H]
-    num_pages = k_cache.shape[1]
+    num_pages = kv.k.shape[1]
     return reference.attend(
         q,
-        layer_pages(k_cache),
-        layer_pages(v_cache),
+        layer_pages(kv.k),
+        layer_pages(kv.v),
         inputs.block_tables + layer * num_pages,
         meta.seq,
         meta.pos,
         meta.is_real,
+        None if kv.k_scale is None else layer_pages(kv.k_scale),
+        None if kv.v_scale is None else layer_pages(kv.v_scale),
         sm_scale=sm_scale,
     )

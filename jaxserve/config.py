@@ -62,6 +62,23 @@ class ModelConfig:
         return self.num_layers * per_layer + V * D * (1 if self.tie_word_embeddings else 2) + D
 
 
+# kv_cache_dtype names (vLLM's, plus int8) -> the array dtype the cache stores; "auto" follows the model dtype.
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "int8": "int8",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The dtype the KV pages hold for an engine's `kv_cache_dtype` setting."""
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -79,8 +96,11 @@ class EngineConfig:
     max_num_seqs: int = 16  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens (prefill chunks + decodes) in one step
     page_size: int = 16  # tokens per KV page ("block_size" in vLLM)
-    num_pages: int | None = None  # KV pages incl. the padding page 0; None = enough for max_num_seqs full sequences
+    num_pages: int | None = None  # KV pages incl. the padding page 0; None = from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # KV budget when num_pages is None; None = enough pages for max_num_seqs
+    # full-length sequences, capped at 1 GiB
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU
+    kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "float32" | "bfloat16" | "float16" | "int8" | "fp8" (e4m3)
     max_logprobs: int = 20  # largest `logprobs` a request may ask for
     token_buckets: tuple[int, ...] = field(default=())  # padded token counts; () = powers of two up to the budget
     enable_prefix_caching: bool = True
@@ -98,6 +118,10 @@ class EngineConfig:
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16 (got {self.dtype!r})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1 (got {self.kv_cache_memory_bytes})")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2: page 0 is reserved for padding (got {self.num_pages})")
         object.__setattr__(self, "token_buckets", tuple(sorted(self.token_buckets)))

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
 from jaxserve.block_manager import BlockManager
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import kv_cache_bytes
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
@@ -56,11 +56,15 @@ class Request:
     texts: list[str] = field(default_factory=list)
 
 
-def resolve_num_pages(engine_cfg: EngineConfig, model_cfg: ModelConfig, dtype: str) -> int:
+def resolve_num_pages(engine_cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str) -> int:
+    """Pages of the KV cache: as configured, or as many as the memory budget holds at the cache's dtype (so an int8
+    cache holds 4x the pages of a float32 one in the same bytes)."""
     if engine_cfg.num_pages is not None:
         return engine_cfg.num_pages
+    per_page = kv_cache_bytes(model_cfg, 1, engine_cfg.page_size, kv_dtype)
+    if engine_cfg.kv_cache_memory_bytes is not None:
+        return max(2, engine_cfg.kv_cache_memory_bytes // per_page)
     want = 1 + engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq
-    per_page = kv_cache_bytes(model_cfg, 1, engine_cfg.page_size, dtype)
     return max(2, min(want, DEFAULT_KV_CACHE_BYTES // per_page))
 
 
@@ -73,7 +77,8 @@ class LLMEngine:
         dtype = engine_config.dtype or default_dtype()
         max_model_len = min(engine_config.max_model_len, ckpt.config.max_position_embeddings)
         engine_config = engine_config.replace(dtype=dtype, max_model_len=max_model_len)
-        engine_config = engine_config.replace(num_pages=resolve_num_pages(engine_config, ckpt.config, dtype))
+        kv_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, dtype)
+        engine_config = engine_config.replace(num_pages=resolve_num_pages(engine_config, ckpt.config, kv_dtype))
         if engine_config.num_pages - 1 < engine_config.max_pages_per_seq:
             raise ValueError(
                 f"num_pages={engine_config.num_pages} cannot hold one sequence of max_model_len={max_model_len} "
@@ -171,6 +176,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def get_stats(self) -> dict[str, float]:
+        """A read-only snapshot for monitoring (/metrics); cheap, and safe to call from another thread."""
+        bm = self.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": bm.num_used_pages / max(1, bm.num_pages - 1),
+            "prefix_cache_hit_rate": bm.prefix_hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }
 
     # ---- the step -------------------------------------------------------------------------------------------
 

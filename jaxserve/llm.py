@@ -17,35 +17,17 @@ from jaxserve.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_logprobs: int = 20,
-        enable_prefix_caching: bool = True,
-        precompile: bool = True,
-        seed: int = 0,
-        engine_config: EngineConfig | None = None,
-    ):
+    def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None, **engine_args):
+        """`engine_args` are EngineConfig fields (vLLM's names: max_model_len, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, kv_cache_dtype, dtype, ...); an unknown name raises ValueError listing the known ones.
+        max_model_len defaults to the model's context length."""
         if engine_config is None:
-            engine_config = EngineConfig(
-                max_model_len=max_model_len or 1 << 30,  # capped at the model's context length
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                page_size=page_size,
-                num_pages=num_pages,
-                dtype=dtype,
-                max_logprobs=max_logprobs,
-                enable_prefix_caching=enable_prefix_caching,
-                precompile=precompile,
-                seed=seed,
-            )
+            engine_args.setdefault("max_model_len", None)
+            if engine_args["max_model_len"] is None:
+                engine_args["max_model_len"] = 1 << 30  # capped at the model's context length
+            engine_config = EngineConfig.from_dict(engine_args, "LLM()")
+        elif engine_args:
+            raise ValueError(f"pass engine options either in engine_config or as arguments, not both: {sorted(engine_args)}")
         self.llm_engine = LLMEngine(model, engine_config)
         self._ids = itertools.count()
 

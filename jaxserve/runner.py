@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.batch import Bucket, StepInputs
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import KVCache, init_kv_cache, kv_cache_bytes
 from jaxserve.model.llama import Weights, compute_logits, forward
 from jaxserve.packing import Layout, as_float, pack_outputs
@@ -99,18 +99,20 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.engine_cfg = engine_cfg
         self.dtype = jnp.dtype(dtype)
+        self.kv_dtype = jnp.dtype(kv_storage_dtype(engine_cfg.kv_cache_dtype, dtype))
         enable_compilation_cache()
         self.weights = jax.device_put(host_weights)
         num_pages = engine_cfg.num_pages
         if num_pages is None:
             raise ValueError("ModelRunner needs a resolved num_pages (LLMEngine resolves it from the memory budget)")
         logger.info(
-            "KV cache: %d pages x %d tokens, %.1f MiB",
+            "KV cache: %d pages x %d tokens, %s, %.1f MiB",
             num_pages,
             engine_cfg.page_size,
-            kv_cache_bytes(model_cfg, num_pages, engine_cfg.page_size, self.dtype) / 2**20,
+            self.kv_dtype.name,
+            kv_cache_bytes(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype) / 2**20,
         )
-        self.kv = init_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.dtype)
+        self.kv = init_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype)
         self._jitted = jax.jit(
             functools.partial(step_fn, model_cfg, engine_cfg.max_logprobs),
             static_argnames=("layout",),

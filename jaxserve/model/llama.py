@@ -87,19 +87,19 @@ def forward(
     meta = attention.token_metadata(inputs)
 
     def layer(carry, xs):
-        x, k_cache, v_cache = carry
+        x, kv = carry
         w, i = xs
         with jax.named_scope("attention"):
             q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq)
-            k_cache, v_cache = write_kv(k_cache, v_cache, i, k, v, inputs.slot_mapping)
-            o = attention.ragged_paged_attention(q, k_cache, v_cache, i, inputs, meta, sm_scale=sm_scale)
+            kv = write_kv(kv, i, k, v, inputs.slot_mapping)
+            o = attention.ragged_paged_attention(q, kv, i, inputs, meta, sm_scale=sm_scale)
             h = x + o.reshape(x.shape[0], -1) @ w.wo
         with jax.named_scope("mlp"):
             out = h + gated_mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
-        return (out, k_cache, v_cache), (x if hidden_layer_ids else None)
+        return (out, kv), (x if hidden_layer_ids else None)
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_cache, v_cache), entering = jax.lax.scan(layer, (x, kv.k, kv.v), (weights.layers, layer_ids))
+    (x, kv), entering = jax.lax.scan(layer, (x, kv), (weights.layers, layer_ids))
 
     hidden = None
     if hidden_layer_ids:
@@ -107,7 +107,7 @@ def forward(
         hidden = stack[jnp.asarray(hidden_layer_ids)]
 
     h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)  # [T, D]
-    return h, KVCache(k=k_cache, v=v_cache), hidden
+    return h, kv, hidden
 
 
 def compute_logits(weights: Weights, h: jax.Array) -> jax.Array:

@@ -9,6 +9,10 @@ The new tokens are the *last* `q_len` positions of the sequence, so query i of s
 Tokens at index >= `cu_q_lens[num_seqs]` are padding: their output is zero. Block-table entries past a sequence's
 length may point anywhere (the engine uses page 0, the padding sink); they are masked.
 
+Quantized KV (int8 / fp8 e4m3): pages hold the quantized values and `k_scales` / `v_scales` f32[P, page_size, K]
+hold one scale per token and kv head, so a key is `k_pages[p, o, k, :].astype(f32) * k_scales[p, o, k]`
+(`quantize_kv` below defines the format: scale = max|x| / the type's largest value). Float caches pass no scales.
+
 Algorithm (the Pallas kernel computes the same thing): tokens are processed in tiles of `block_q`; each tile walks
 the pages of its tokens' sequences chunk by chunk with an online float32 softmax, masking non-causal and
 out-of-range positions, and stops at the last chunk any of its tokens can see.
@@ -22,6 +26,30 @@ import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30
+
+# The largest finite value of each quantized KV type: a token's scale maps its largest |x| onto it.
+QUANT_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Per-token, per-head symmetric quantization of new keys or values.
+
+    x: f[T, K, H] -> (q[T, K, H] of `dtype`, f32[T, K] scales) with x ~= q * scale[..., None].
+    """
+    dtype = jnp.dtype(dtype)
+    qmax = QUANT_MAX[dtype.name]
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / qmax  # [T, K]
+    y = x / jnp.where(scale > 0, scale, 1.0)[..., None]
+    if dtype == jnp.int8:
+        y = jnp.round(y)
+    return jnp.clip(y, -qmax, qmax).astype(dtype), scale
+
+
+def dequantize(x: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """f32 values of gathered pages: x[..., K, H] (any KV dtype), scale f32[..., K] or None (float cache)."""
+    x = x.astype(jnp.float32)
+    return x if scale is None else x * scale[..., None]
 
 
 def token_metadata(cu_q_lens: jax.Array, seq_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
@@ -47,6 +75,8 @@ def ragged_paged_attention(
     seq_lens: jax.Array,  # i32[S]
     cu_q_lens: jax.Array,  # i32[S+1]
     num_seqs: jax.Array,  # i32[]
+    k_scales: jax.Array | None = None,  # f32[P, page_size, K]  (quantized caches only)
+    v_scales: jax.Array | None = None,  # f32[P, page_size, K]
     *,
     sm_scale: float,
     block_q: int = 32,
@@ -54,7 +84,8 @@ def ragged_paged_attention(
 ) -> jax.Array:  # f[T, N, H]
     seq, pos, is_real = token_metadata(cu_q_lens, seq_lens, num_seqs, q.shape[0])
     return attend(
-        q, k_pages, v_pages, block_tables, seq, pos, is_real, sm_scale=sm_scale, block_q=block_q, chunk_pages=chunk_pages
+        q, k_pages, v_pages, block_tables, seq, pos, is_real, k_scales, v_scales,
+        sm_scale=sm_scale, block_q=block_q, chunk_pages=chunk_pages,
     )
 
 
@@ -66,6 +97,8 @@ def attend(
     seq: jax.Array,  # i32[T]   sequence of each token
     pos: jax.Array,  # i32[T]   absolute position of each token
     is_real: jax.Array,  # bool[T]
+    k_scales: jax.Array | None = None,  # f32[P, page_size, K]  (quantized caches only)
+    v_scales: jax.Array | None = None,  # f32[P, page_size, K]
     *,
     sm_scale: float,
     block_q: int = 32,
@@ -95,6 +128,9 @@ def attend(
     num_tiles = -(-T // block_q)
     pad = num_tiles * block_q - T
 
+    def gather(pages_, scales, idx):  # f32 keys or values of the listed pages
+        return dequantize(pages_[idx], None if scales is None else scales[idx])
+
     def tiles(x):
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(num_tiles, block_q, *x.shape[1:])
@@ -112,16 +148,16 @@ def attend(
             visible = (j * C + jnp.arange(C))[None, :] <= last[:, None]  # [B, C]
 
             def scores_one():  # the whole tile is one sequence: one gather for all its tokens
-                k = k_pages[pages[0]].reshape(C, K, H)
-                v = v_pages[pages[0]].reshape(C, K, H)
+                k = gather(k_pages, k_scales, pages[0]).reshape(C, K, H)
+                v = gather(v_pages, v_scales, pages[0]).reshape(C, K, H)
                 v = jnp.where(jnp.any(visible, 0)[:, None, None], v, 0)  # stale/NaN slots must not leak (0 * NaN)
-                return jnp.einsum("bkgh,ckh->bkgc", qg, k, preferred_element_type=jnp.float32), v
+                return jnp.einsum("bkgh,ckh->bkgc", qg, k), v
 
             def scores_each():
-                k = k_pages[pages].reshape(block_q, C, K, H)
-                v = v_pages[pages].reshape(block_q, C, K, H)
+                k = gather(k_pages, k_scales, pages).reshape(block_q, C, K, H)
+                v = gather(v_pages, v_scales, pages).reshape(block_q, C, K, H)
                 v = jnp.where(visible[:, :, None, None], v, 0)
-                return jnp.einsum("bkgh,bckh->bkgc", qg, k, preferred_element_type=jnp.float32), v
+                return jnp.einsum("bkgh,bckh->bkgc", qg, k), v
 
             def update(s, v, pv_spec):
                 s = jnp.where(visible[:, None, None, :], s, _MASKED)
@@ -131,7 +167,7 @@ def attend(
                 z = s - m_new[..., None]
                 p = jnp.where(visible[:, None, None, :] & (z > -80.0), jnp.exp(z), 0.0)
                 scale = jnp.where(m - m_new > -80.0, jnp.exp(m - m_new), 0.0)  # same flush for the rescale
-                pv = jnp.einsum(pv_spec, p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+                pv = jnp.einsum(pv_spec, p, v, preferred_element_type=jnp.float32)
                 return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
 
             return jax.lax.cond(
