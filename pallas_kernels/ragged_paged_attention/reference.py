@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30
+GATHER_MODE = 'fill'
 
 # The largest finite value of each quantized KV type: a token's scale maps its largest |x| onto it.
 QUANT_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
@@ -66,7 +67,7 @@ def token_metadata(cu_q_lens: jax.Array, seq_lens: jax.Array, num_seqs: jax.Arra
     return seq, pos, is_real
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "chunk_pages"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "chunk_pages", "sliding_window", "soft_cap"))
 def ragged_paged_attention(
     q: jax.Array,  # f[T, N, H]
     k_pages: jax.Array,  # f[P, page_size, K, H]
@@ -81,11 +82,13 @@ def ragged_paged_attention(
     sm_scale: float,
     block_q: int = 32,
     chunk_pages: int = 8,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # f[T, N, H]
     seq, pos, is_real = token_metadata(cu_q_lens, seq_lens, num_seqs, q.shape[0])
     return attend(
         q, k_pages, v_pages, block_tables, seq, pos, is_real, k_scales, v_scales,
-        sm_scale=sm_scale, block_q=block_q, chunk_pages=chunk_pages,
+        sm_scale=sm_scale, block_q=block_q, chunk_pages=chunk_pages, sliding_window=sliding_window, soft_cap=soft_cap,
     )
 
 
@@ -103,6 +106,8 @@ def attend(
     sm_scale: float,
     block_q: int = 32,
     chunk_pages: int = 8,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # f[T, N, H]
     """The body of `ragged_paged_attention`, given per-token metadata (callers running many layers over one batch
     compute the metadata once).
@@ -111,6 +116,9 @@ def attend(
     (flash) softmax, and stops after the chunk holding its last token's position, so no work is spent on padded
     block-table columns or on keys in every query's future. A tile whose real tokens all belong to one sequence
     (a prefill chunk) gathers that sequence's pages once per chunk instead of once per token.
+
+    Optional: `sliding_window` w (a query at position p sees keys p-w+1..p) and `soft_cap` c (scores become
+    c * tanh(score / c) before the softmax).
     """
     T, N, H = q.shape
     _, page_size, K, _ = k_pages.shape
@@ -129,7 +137,9 @@ def attend(
     pad = num_tiles * block_q - T
 
     def gather(pages_, scales, idx):  # f32 keys or values of the listed pages
-        return dequantize(pages_[idx], None if scales is None else scales[idx])
+        return dequantize(
+            pages_.at[idx].get(mode=GATHER_MODE), None if scales is None else scales.at[idx].get(mode=GATHER_MODE)
+        )
 
     def tiles(x):
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
@@ -146,6 +156,8 @@ def attend(
             m, l, acc = carry  # running max f32[B, K, G], sum f32[B, K, G], output f32[B, K, G, H]
             pages = jax.lax.dynamic_slice_in_dim(tables_t, j * chunk_pages, chunk_pages, axis=1)  # [B, chunk_pages]
             visible = (j * C + jnp.arange(C))[None, :] <= last[:, None]  # [B, C]
+            if sliding_window is not None:
+                visible = visible & ((j * C + jnp.arange(C))[None, :] > last[:, None] - sliding_window)
 
             def scores_one():  # the whole tile is one sequence: one gather for all its tokens
                 k = gather(k_pages, k_scales, pages[0]).reshape(C, K, H)
@@ -160,6 +172,8 @@ def attend(
                 return jnp.einsum("bkgh,bckh->bkgc", qg, k), v
 
             def update(s, v, pv_spec):
+                if soft_cap is not None:
+                    s = soft_cap * jnp.tanh(s / soft_cap)
                 s = jnp.where(visible[:, None, None, :], s, _MASKED)
                 m_new = jnp.maximum(m, s.max(-1))
                 # Weights below e^-80 are flushed to exactly 0 (their share of the softmax is < 1e-34): their exp
@@ -194,7 +208,10 @@ def attend(
     return out.reshape(num_tiles * block_q, N, H)[:T]
 
 
-def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float) -> jax.Array:
+def dense_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale: float, sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
     """Contiguous single-sequence causal attention, the textbook definition the paged version must equal.
 
     q: f[T, N, H] (the last T positions), k/v: f[L, K, H] (all L positions) -> f[T, N, H]
@@ -203,7 +220,12 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sm_scale
     L, K, _ = k.shape
     qg = q.reshape(T, K, N // K, H)
     s = jnp.einsum("tkgh,lkh->tkgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     qpos = L - T + jnp.arange(T)
-    s = jnp.where(jnp.arange(L)[None, None, None, :] <= qpos[:, None, None, None], s, _MASKED)
+    visible = jnp.arange(L)[None, None, None, :] <= qpos[:, None, None, None]
+    if sliding_window is not None:
+        visible = visible & (jnp.arange(L)[None, None, None, :] > qpos[:, None, None, None] - sliding_window)
+    s = jnp.where(visible, s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("tkgl,lkh->tkgh", p, v.astype(jnp.float32)).reshape(T, N, H).astype(q.dtype)
