@@ -1,4 +1,4 @@
-"""`jaxserve` command line. Subcommands: generate (more join as the server and tools land)."""
+"""`jaxserve` command line. Subcommands: serve (gRPC + OpenAI HTTP endpoints), generate (one-shot)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,63 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, parser_defaults: dict) -> int:
+    import asyncio
+    import os
+
+    from jaxserve import AsyncLLM
+    from jaxserve.config import EngineConfig
+    from service.async_engine import ServingEngine
+    from service.protocol import ServingLimits
+    from service.server import ServerConfig, serve
+
+    # Engine options: the YAML config (if any), then every engine flag given explicitly on the command line.
+    flags = {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "page_size": args.page_size,
+        "num_pages": args.num_pages,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "precompile": args.precompile,
+    }
+    values = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            values = yaml.safe_load(f) or {}
+        EngineConfig.from_dict(values, args.config)  # fail early, naming the file, on unknown or bad options
+    given = {k: v for k, v in flags.items() if v is not None and (not args.config or v != parser_defaults.get(k))}
+    values.update(given)
+    if values.get("precompile") is None:
+        values["precompile"] = True  # servers compile every bucket before they report ready
+    engine_config = EngineConfig.from_dict({k: v for k, v in values.items() if v is not None}, "engine options")
+    limits = ServingLimits(
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_limit,
+        max_in_flight=args.max_in_flight,
+        max_message_bytes=args.max_message_bytes,
+    )
+    name = args.served_model_name
+    if name is None:
+        name = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0] if args.model else "SmolLM2-135M-Instruct"
+    api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+    llm = AsyncLLM(args.model, engine_config)
+    serving = ServingEngine(llm, name, limits, stall_timeout_s=args.stall_timeout)
+    cfg = ServerConfig(
+        host=args.host,
+        grpc_port=None if args.grpc_port < 0 else args.grpc_port,
+        http_port=None if args.http_port < 0 else args.http_port,
+        api_key=api_key,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        drain_timeout_s=args.drain_timeout,
+    )
+    return asyncio.run(serve(serving, cfg))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference on JAX/XLA")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (compiles, KV cache size)")
@@ -82,9 +139,29 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true", help="one JSON record per output")
     g.set_defaults(func=_generate)
 
+    s = sub.add_parser("serve", help="serve the model over gRPC (jaxserve.v1, KServe v2) and OpenAI-compatible HTTP")
+    _add_engine_args(s)
+    s.add_argument("--config", default=None, help="engine YAML (configs/engine/*.yaml); flags given explicitly override it")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--grpc-port", type=int, default=50051, help="0 = any free port, -1 = no gRPC server")
+    s.add_argument("--http-port", type=int, default=8000, help="0 = any free port, -1 = no HTTP server")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the file name)")
+    s.add_argument("--api-key", default=None, help="require this bearer key on every request but health (or $JAXSERVE_API_KEY)")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve both endpoints over TLS")
+    s.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    s.add_argument("--max-in-flight", type=int, default=256, help="admitted unfinished requests; more get 429 / RESOURCE_EXHAUSTED")
+    s.add_argument("--max-n", type=int, default=16, help="largest n per request")
+    s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens per request (default: max_model_len)")
+    s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message / HTTP body")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--stall-timeout", type=float, default=30.0, help="health turns NOT_SERVING after this long without an engine step")
+    s.set_defaults(func=_serve)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.func is _serve:
+            return _serve(args, {a.dest: a.default for a in s._actions})
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
