@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+# Pallas' Triton matmul (moved from `pl.dot` to `pallas.triton.dot`; both exist in JAX 0.10-0.11).
+_dot = getattr(pltriton, "dot", None) or pl.dot
 _MASKED = -1e30  # finite "minus infinity": exp(_MASKED - m) underflows to 0 without inf - inf = NaN
 
 
@@ -143,7 +145,7 @@ def _rpa_kernel(
         k_pos = c * block_k + jnp.arange(block_k, dtype=jnp.int32)  # i32[block_k]
         k_real = k_pos < kv_len
         k = k_ref[pages].reshape(block_k, H).astype(compute_dtype)
-        s = pl.dot(q, k, trans_b=True, precision=precision)  # f32[rows, block_k]
+        s = _dot(q, k, trans_b=True, precision=precision)  # f32[rows, block_k]
         if quantized:
             s = s * ks_ref[pages].reshape(1, block_k)
         s = s * sm_scale
@@ -161,7 +163,7 @@ def _rpa_kernel(
             p = p * jnp.where(k_real, vs_ref[pages].reshape(block_k), 0.0)[None, :]
         v = v_ref[pages].reshape(block_k, H).astype(compute_dtype)
         v = jnp.where(k_real[:, None], v, jnp.zeros_like(v))  # stale / NaN slots: 0 * NaN would poison p @ v
-        acc = acc * alpha[:, None] + pl.dot(p.astype(compute_dtype), v, precision=precision)
+        acc = acc * alpha[:, None] + _dot(p.astype(compute_dtype), v, precision=precision)
         return m_new, l, acc
 
     init = (
