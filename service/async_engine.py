@@ -25,6 +25,7 @@ Drain (SIGTERM): stop admitting, let in-flight requests finish up to a grace per
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -223,9 +224,11 @@ class ServingEngine:
         self.m_requests.labels(protocol).inc()
         last: RequestOutput | None = None
         try:
-            async for out in self.llm.generate(prompt, params, request_id, priority=priority):
-                last = out
-                yield out
+            # aclosing: closing this generator closes the engine's at once, which sends the abort.
+            async with contextlib.aclosing(self.llm.generate(prompt, params, request_id, priority=priority)) as outs:
+                async for out in outs:
+                    last = out
+                    yield out
         except (ValueError, TypeError) as e:  # refused by the engine's admission checks (prompt length, ids, ...)
             if last is not None:
                 raise

@@ -197,10 +197,12 @@ def build_grpc_server(serving: ServingEngine, *, api_key: str | None = None) -> 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = ("", GENERATION_SERVICE, kserve.SERVICE_NAME)
 
-    def on_readiness(ready: bool) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_readiness(ready: bool) -> None:  # may be called from any thread
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in services:
-            asyncio.ensure_future(health_servicer.set(name, status))
+            loop.call_soon_threadsafe(asyncio.ensure_future, health_servicer.set(name, status))
 
     serving.add_readiness_listener(on_readiness)
     names = (GENERATION_SERVICE, kserve.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)

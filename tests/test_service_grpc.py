@@ -3,6 +3,7 @@ malformed requests, overload, health that follows engine progress, reflection, A
 
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -296,7 +297,8 @@ def test_api_key_interceptor(server):
 
 def test_generated_stubs_are_fresh(tmp_path):
     """The committed stubs match what scripts/gen_protos.sh makes from the .proto sources now."""
-    subprocess.run([os.path.join(ROOT, "scripts", "gen_protos.sh"), str(tmp_path)], check=True, cwd=ROOT)
+    env = dict(os.environ, PYTHON=sys.executable)
+    subprocess.run([os.path.join(ROOT, "scripts", "gen_protos.sh"), str(tmp_path)], check=True, cwd=ROOT, env=env)
     with open(tmp_path / "kserve_v2.binpb", "rb") as f:
         fresh_kserve = f.read()
     with open(os.path.join(ROOT, "service", "proto", "kserve_v2.binpb"), "rb") as f:
@@ -309,3 +311,46 @@ def test_generated_stubs_are_fresh(tmp_path):
     assert descriptor_pb2.FileDescriptorProto.FromString(fresh) == committed, (
         "service/proto/jaxserve_v1_pb2.py is stale: run scripts/gen_protos.sh"
     )
+
+
+def test_draining_refuses_new_requests(channel, stub, server):
+    serving = server.server.serving
+    serving.draining = True
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(_request("late", max_tokens=2)))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        serving.evaluate_readiness()
+        deadline = time.monotonic() + 5
+        while _health(channel) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        serving.draining = False
+        serving.evaluate_readiness()
+
+
+def test_engine_failure_fails_requests_and_health(path):
+    """An exception in the engine loop fails in-flight requests with INTERNAL, then UNAVAILABLE and NOT_SERVING."""
+    srv = start_server(path)
+    try:
+        engine = srv.server.serving.llm.engine
+
+        def broken_step():
+            raise RuntimeError("injected device fault")
+
+        engine.step = broken_step
+        with grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(_request("boom", max_tokens=3), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INTERNAL and "injected device fault" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(_request("after", max_tokens=3), timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            deadline = time.monotonic() + 5
+            while _health(ch) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert _health(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        srv.stop()
