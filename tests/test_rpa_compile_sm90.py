@@ -1,0 +1,158 @@
+"""Every ragged paged attention kernel configuration in the block-size table compiles for sm_90 (H100/H200)
+without a GPU: deviceless AOT through the CUDA PJRT plugin, down to PTX, so a kernel that fails to lower or
+exceeds shared memory / registers fails CI (`shared/notes/jax-on-cpu.md` §2).
+
+The plugin (`jax-cuda12-plugin` + `jax-cuda12-pjrt`, same version as jaxlib, no CUDA libraries) lives outside the
+main environment so that no other process sees it: `scripts/setup.sh --test` installs it into `.venv/cuda-aot`,
+and the compiles run in a child process (this file run as a script) with that folder on its path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN_DIR = os.environ.get("JAXSERVE_CUDA_AOT_DIR", os.path.join(ROOT, ".venv", "cuda-aot"))
+
+# An H200 as XLA's GPU compiler sees it (sm_90, 132 SMs, 227 KB opt-in shared memory per block).
+H200_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 150000000000 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 7 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H200"
+"""
+
+# Production-like shapes per shape class: (num_tokens, num_seqs, max_pages at page_size 16).
+SHAPES = {"decode": (64, 64, 256), "verify": (256, 64, 128), "prefill": (1024, 4, 128)}
+
+
+def configs() -> list[dict]:
+    """Each table entry at every supported page size (bf16 KV), and at page size 16 with every other KV dtype;
+    plus sliding window / soft-cap, MQA and MHA variants."""
+    from pallas_kernels import ragged_paged_attention as rpa
+
+    out = []
+    for mode, head_dim in rpa.BLOCK_TABLE:
+        base = dict(mode=mode, head_dim=head_dim, num_q_heads=32, num_kv_heads=8, q_dtype="bfloat16")
+        for page_size in rpa.SUPPORTED_PAGE_SIZES:
+            out.append(dict(base, page_size=page_size, kv_dtype="bfloat16"))
+        for kv_dtype in rpa.SUPPORTED_KV_DTYPES:
+            if kv_dtype != "bfloat16":
+                q_dtype = "float32" if kv_dtype == "float32" else "bfloat16"
+                out.append(dict(base, page_size=16, kv_dtype=kv_dtype, q_dtype=q_dtype))
+        out.append(dict(base, page_size=16, kv_dtype="int8", sliding_window=1024, soft_cap=50.0))
+    out.append(dict(mode="decode", head_dim=128, num_q_heads=64, num_kv_heads=1, q_dtype="bfloat16",
+                    page_size=16, kv_dtype="float8_e4m3fn"))  # MQA: 64 query heads on one kv head
+    out.append(dict(mode="prefill", head_dim=64, num_q_heads=12, num_kv_heads=12, q_dtype="float16",
+                    page_size=32, kv_dtype="float16"))  # MHA
+    return out
+
+
+def config_id(c: dict) -> str:
+    extra = "-window-cap" if c.get("sliding_window") else ""
+    return (f"{c['mode']}-h{c['head_dim']}-p{c['page_size']}-{c['kv_dtype']}-q{c['q_dtype']}"
+            f"-{c['num_q_heads']}x{c['num_kv_heads']}{extra}")
+
+
+def _compile_all() -> list[dict]:
+    """Child process: compile every config for the H200 target; one JSON result per config."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pallas_kernels import ragged_paged_attention as rpa
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG, topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()))
+
+    results = []
+    for c in configs():
+        T, S, max_pages = SHAPES[c["mode"]]
+        max_pages = max_pages * 16 // c["page_size"]
+        N, K, H, page_size = c["num_q_heads"], c["num_kv_heads"], c["head_dim"], c["page_size"]
+        num_pages = S * max_pages + 1
+        args = [
+            spec((T, N, H), c["q_dtype"]),
+            spec((num_pages, page_size, K, H), c["kv_dtype"]),
+            spec((num_pages, page_size, K, H), c["kv_dtype"]),
+            spec((S, max_pages), jnp.int32),
+            spec((S,), jnp.int32),
+            spec((S + 1,), jnp.int32),
+            spec((), jnp.int32),
+        ]
+        if c["kv_dtype"] in ("int8", "float8_e4m3fn"):
+            args += [spec((num_pages, page_size, K), jnp.float32)] * 2
+        block_sizes = rpa.block_sizes_for(num_tokens=T, num_seqs=S, num_q_heads=N, num_kv_heads=K, head_dim=H,
+                                          page_size=page_size, max_pages=max_pages)
+
+        def f(*a, c=c):
+            return rpa.ragged_paged_attention(*a, sm_scale=H**-0.5, impl="kernel", sliding_window=c.get(
+                "sliding_window"), soft_cap=c.get("soft_cap"))
+
+        start = time.perf_counter()
+        try:
+            text = jax.jit(f).lower(*args).compile().as_text() or ""
+            ok, error = "ragged_paged_attention" in text or "triton" in text, ""
+            if not ok:
+                error = "compiled HLO holds no Triton kernel call"
+        except Exception as e:  # noqa: BLE001 - reported per config
+            ok, error = False, f"{type(e).__name__}: {e}"[:3000]
+        results.append(dict(id=config_id(c), ok=ok, error=error, seconds=round(time.perf_counter() - start, 2),
+                            block_sizes=str(block_sizes)))
+    return results
+
+
+def _plugin_in_main_env() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def compile_results() -> dict[str, dict]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if not _plugin_in_main_env():
+        if not os.path.isdir(os.path.join(PLUGIN_DIR, "jax_plugins")):
+            pytest.fail(f"the CUDA PJRT plugin is not installed in {PLUGIN_DIR}: run scripts/setup.sh --test "
+                        "(installs jax-cuda12-plugin and jax-cuda12-pjrt there, matching jaxlib)")
+        env["PYTHONPATH"] = PLUGIN_DIR
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1500)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        pytest.fail(f"compile child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    results = {r["id"]: r for r in map(json.loads, lines)}
+    total = sum(r["seconds"] for r in results.values())
+    print(f"\nsm_90 deviceless compile: {sum(r['ok'] for r in results.values())}/{len(results)} ok, {total:.0f} s")
+    return results
+
+
+@pytest.mark.parametrize("config", configs(), ids=config_id)
+def test_kernel_compiles_for_sm90(config, compile_results):
+    result = compile_results[config_id(config)]
+    assert result["ok"], f"{result['id']} ({result['block_sizes']}) did not compile for sm_90:\n{result['error']}"
+
+
+if __name__ == "__main__":
+    for r in _compile_all():
+        print(json.dumps(r), flush=True)
