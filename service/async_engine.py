@@ -148,7 +148,14 @@ class ServingEngine:
     def build_params(self, fields: dict, *, coerce_strings: bool = False) -> SamplingParams:
         from service.protocol import build_sampling_params
 
-        return build_sampling_params(fields, self.limits, vocab_size=self.vocab_size, coerce_strings=coerce_strings)
+        params = build_sampling_params(fields, self.limits, vocab_size=self.vocab_size, coerce_strings=coerce_strings)
+        if params.max_tokens is not None and params.max_tokens >= self.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens must be < max_model_len={self.max_model_len} (got {params.max_tokens}); "
+                "prompt + output must fit in the context",
+                "max_tokens",
+            )
+        return params
 
     def stats(self) -> dict:
         s = dict(self.llm.engine.get_stats())

@@ -201,8 +201,15 @@ def build_grpc_server(serving: ServingEngine, *, api_key: str | None = None) -> 
 
     def on_readiness(ready: bool) -> None:  # may be called from any thread
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in services:
-            loop.call_soon_threadsafe(asyncio.ensure_future, health_servicer.set(name, status))
+
+        def apply() -> None:
+            for name in services:
+                asyncio.ensure_future(health_servicer.set(name, status))
+
+        try:
+            loop.call_soon_threadsafe(apply)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
 
     serving.add_readiness_listener(on_readiness)
     names = (GENERATION_SERVICE, kserve.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)

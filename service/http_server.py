@@ -132,9 +132,9 @@ class OpenAIServer:
                 raise InvalidRequest(f"{name} is not supported by this server", name)
         return body
 
-    def _fields(self, body: dict, max_tokens_keys: tuple[str, ...]) -> dict:
+    def _fields(self, body: dict, max_tokens_keys: tuple[str, ...], default_max_tokens: int | None) -> dict:
         fields = {k: body[k] for k in _PASSTHROUGH if k in body}
-        fields["max_tokens"] = 16
+        fields["max_tokens"] = default_max_tokens
         for key in max_tokens_keys:
             if body.get(key) is not None:
                 fields["max_tokens"] = body[key]
@@ -161,7 +161,7 @@ class OpenAIServer:
         if not isinstance(raw, list) or not raw:
             raise InvalidRequest("prompt must be a string, a list of strings, or a list of token-id lists", "prompt")
         prompts = [self._check_prompt(p) for p in raw]
-        fields = self._fields(body, ("max_tokens",))
+        fields = self._fields(body, ("max_tokens",), 16)  # OpenAI's default for completions
         logprobs = body.get("logprobs")
         if logprobs is not None:
             fields["logprobs"] = logprobs
@@ -220,7 +220,7 @@ class OpenAIServer:
         if len(text) > self.serving.limits.max_prompt_chars:
             raise InvalidRequest(f"messages render to {len(text)} characters; the limit is {self.serving.limits.max_prompt_chars}", "messages")
         prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-        fields = self._fields(body, ("max_completion_tokens", "max_tokens"))
+        fields = self._fields(body, ("max_completion_tokens", "max_tokens"), None)  # chat: up to the context
         want_lp = body.get("logprobs", False)
         if not isinstance(want_lp, bool):
             raise InvalidRequest(f"logprobs must be a boolean (got {want_lp!r})", "logprobs")

@@ -157,6 +157,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", '{"prompt": "a", "temperature": NaN}', 400, "temperature"),
