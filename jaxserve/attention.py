@@ -1,8 +1,9 @@
 """Attention dispatch: the model's only door to the ragged paged attention implementations.
 
-Today every backend runs the XLA reference (`pallas_kernels/ragged_paged_attention/reference.py`); the Pallas GPU
-kernel joins behind this same function. The model hands over the whole stacked cache plus a layer index; layer i's
-pages are addressed as pool pages `i * P + p` so no layer slice is ever copied.
+On a GPU the Pallas kernel runs (`pallas_kernels/ragged_paged_attention`, which itself falls back to the reference,
+and logs why, for shapes it does not cover); elsewhere the XLA reference runs, with per-token metadata computed once
+per step. The model hands over the whole stacked cache plus a layer index; layer i's pages are addressed as pool
+pages `i * P + p` so no layer slice is ever copied.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 
 from jaxserve.batch import StepInputs
 from jaxserve.kv_cache import KVCache, layer_pages
+from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.ragged_paged_attention import reference
 
 
@@ -43,15 +45,23 @@ def ragged_paged_attention(
     sm_scale: float,
 ) -> jax.Array:  # f[T, N, H]
     num_pages = kv.k.shape[1]
+    k_pages, v_pages = layer_pages(kv.k), layer_pages(kv.v)
+    k_scales = None if kv.k_scale is None else layer_pages(kv.k_scale)
+    v_scales = None if kv.v_scale is None else layer_pages(kv.v_scale)
+    if rpa.select_impl(q, k_pages) == "kernel":
+        return rpa.ragged_paged_attention(
+            q, k_pages, v_pages, inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.cu_q_lens,
+            inputs.num_seqs, k_scales, v_scales, sm_scale=sm_scale, impl="kernel",
+        )
     return reference.attend(
         q,
-        layer_pages(kv.k),
-        layer_pages(kv.v),
+        k_pages,
+        v_pages,
         inputs.block_tables + layer * num_pages,
         meta.seq,
         meta.pos,
         meta.is_real,
-        None if kv.k_scale is None else layer_pages(kv.k_scale),
-        None if kv.v_scale is None else layer_pages(kv.v_scale),
+        k_scales,
+        v_scales,
         sm_scale=sm_scale,
     )

@@ -321,3 +321,40 @@ def test_quantized_write_is_exact(dtype):
         untouched[1, 0, 0] = False  # the padding sink slot the write path also touches
         np.testing.assert_array_equal(got[untouched].view(np.uint8), sentinel[untouched].view(np.uint8))
         assert np.isnan(got_scale[untouched]).all()
+
+
+# --- the model through jaxserve/attention.py ---------------------------------------------------------------
+
+
+def test_model_step_through_kernel_matches_reference(tmp_path, monkeypatch):
+    """A tiny Llama (head dim 64, GQA 4/2, 2 layers) run through the engine's attention dispatch with the kernel in
+    interpret mode gives the reference path's logits: checks the wiring (layer i's pages at pool offset i * P)."""
+    from paged_harness import PagedModel
+    from tiny_models import VARIANTS, make_tiny_model
+
+    monkeypatch.setitem(VARIANTS, "llama_h64", dict(arch="llama", num_attention_heads=4, num_key_value_heads=2,
+                                                    head_dim=64))
+    make_tiny_model("llama_h64", str(tmp_path))
+    rng = np.random.default_rng(9)
+    prompts = {0: rng.integers(3, 300, 13).tolist(), 1: rng.integers(3, 300, 4).tolist()}
+    steps = [prompts, {0: [5], 1: [7, 8, 9]}, {0: [11], 1: [12]}]  # prefill, verify-like + decode, decodes
+
+    def run():
+        model = PagedModel(str(tmp_path), num_seqs=2, page_size=8, pages_per_seq=4)
+        return [model.step(chunks) for chunks in steps]
+
+    want = run()
+    monkeypatch.setattr(rpa, "select_impl", lambda *a, **k: "kernel")
+    calls = []
+    entry = rpa.ragged_paged_attention
+
+    def interpreted(*args, **kwargs):
+        calls.append(kwargs["impl"])
+        return entry(*args, interpret=True, **kwargs)
+
+    monkeypatch.setattr(rpa, "ragged_paged_attention", interpreted)
+    got = run()
+    assert calls and set(calls) == {"kernel"}, "the model did not reach the kernel"
+    for step_want, step_got in zip(want, got):
+        for i in step_want:
+            np.testing.assert_allclose(step_got[i], step_want[i], atol=1e-4, rtol=0)
