@@ -29,7 +29,7 @@ def _launch(path, *extra):
     cmd = [
         sys.executable, "-m", "jaxserve.cli", "serve", "--model", path, "--served-model-name", "tiny",
         "--grpc-port", "0", "--http-port", "0", "--no-precompile", "--max-model-len", "256", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "32", "--num-pages", "80", *extra,
+        "--max-num-batched-tokens", "32", "--num-pages", "80", "--config", "configs/engine/cpu-default.yaml", *extra,
     ]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -127,6 +127,7 @@ def test_tls_and_api_key(path, tmp_path):
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=(("authorization", "Bearer t0ken"),), timeout=10)
             assert info.model_name == "tiny"
+            assert info.max_model_len == 256, "flags override the --config YAML"
         proc.send_signal(signal.SIGTERM)
         code, out = _finish(proc)
     finally:
