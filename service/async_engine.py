@@ -11,11 +11,14 @@ Threads and queues of a running server (`jaxserve serve`):
   - grpc.aio keeps a few internal threads of its own (polling, completion queues); none of them touch the engine.
 Nothing but the engine thread calls into the LLMEngine, except `get_stats()`, a read-only snapshot of counters.
 
+Per request, a small *pump task* moves outputs from AsyncLLM's queue into a one-slot mailbox (`_Latest`); the
+client's coroutine takes the newest. Outputs are cumulative, so a slow reader skips intermediate ones instead of
+piling them up: memory per request stays bounded whatever the client does.
 Admission: a request is refused at once (never queued without bound) when the server is draining (Unavailable),
 when `max_in_flight` admitted requests are unfinished (Overloaded), or when its id is in flight already.
 Cancellation: when a client cancels, disconnects or hits its deadline, grpc.aio / aiohttp cancel the request's
-coroutine; the `finally` of AsyncLLM.generate then sends an abort, and the engine thread frees the pages before
-its next step.
+coroutine; its `finally` cancels the pump task, whose closing of AsyncLLM.generate sends an abort, and the engine
+thread frees the pages before its next step.
 Readiness (health): the engine thread is alive, the server is not draining, and the engine has made a step within
 `stall_timeout_s` whenever requests are in flight. The watchdog task re-evaluates this every
 `watchdog_interval_s` and tells listeners (the gRPC health servicer) when it changes.
@@ -73,6 +76,41 @@ class _EngineCollector:
             yield GaugeMetricFamily(
                 "jaxserve_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", value=s["spec_decode_acceptance_rate"]
             )
+
+
+class _Latest:
+    """A one-slot mailbox between the engine stream and a client. Outputs are cumulative, so a client that reads
+    slower than tokens arrive skips straight to the newest one: memory per request stays bounded, and a slow reader
+    gets fewer, larger deltas instead of a growing backlog."""
+
+    def __init__(self):
+        self._item = None
+        self._ready = asyncio.Event()
+
+    def _put(self, item) -> None:
+        self._item = item
+        self._ready.set()
+
+    async def pump(self, stream) -> None:
+        try:
+            async with contextlib.aclosing(stream) as outs:
+                async for out in outs:
+                    self._put(out)
+                    if out.finished:
+                        return
+            self._put(RuntimeError("the engine stream ended without a final output"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- handed to the consumer, which raises it
+            self._put(e)
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._item = self._item, None
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
 
 class ServingEngine:
@@ -230,12 +268,12 @@ class ServingEngine:
         self._idle.clear()
         self.m_requests.labels(protocol).inc()
         last: RequestOutput | None = None
+        latest = _Latest()
+        pump = asyncio.create_task(latest.pump(self.llm.generate(prompt, params, request_id, priority=priority)))
         try:
-            # aclosing: closing this generator closes the engine's at once, which sends the abort.
-            async with contextlib.aclosing(self.llm.generate(prompt, params, request_id, priority=priority)) as outs:
-                async for out in outs:
-                    last = out
-                    yield out
+            while last is None or not last.finished:
+                last = await latest.get()
+                yield last
         except (ValueError, TypeError) as e:  # refused by the engine's admission checks (prompt length, ids, ...)
             if last is not None:
                 raise
@@ -246,6 +284,8 @@ class ServingEngine:
                 raise ServiceError(f"engine failure: {e}") from None
             raise
         finally:
+            pump.cancel()  # if still running: cancelling it closes the engine stream, which sends the abort
+            await asyncio.gather(pump, return_exceptions=True)
             self._in_flight.discard(request_id)
             if not self._in_flight:
                 self._idle.set()

@@ -297,3 +297,23 @@ def test_api_key(server):
         assert c.completions.create(model=MODEL_NAME, prompt="k", **GREEDY).usage.completion_tokens >= 1
     finally:
         keyed.stop(close_engine=False)
+
+
+def test_slow_reader_skips_to_the_newest_output(server):
+    """A client that stalls does not build a backlog: it gets the newest cumulative output, nothing is lost."""
+    serving = server.server.serving
+
+    async def slow():
+        params = serving.build_params({"temperature": 0, "max_tokens": 30, "ignore_eos": True})
+        seen = []
+        async for out in serving.generate({"prompt_token_ids": [5, 6, 7]}, params, "slow-reader", protocol="test"):
+            seen.append(len(out.outputs[0].token_ids))
+            if len(seen) == 1:
+                await asyncio.sleep(1.0)  # the engine runs on meanwhile
+        return seen, out
+
+    with EngineHook(server, step_delay=0.005):
+        seen, final = server.call(slow())
+    assert final.finished and len(final.outputs[0].token_ids) == 30
+    assert seen == sorted(seen) and len(seen) < 10, seen
+    wait_engine_idle(server)
