@@ -45,7 +45,7 @@ from service.protocol import (
     ServiceError,
     ServingLimits,
     Unavailable,
-    _field_of,
+    field_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ class ServingEngine:
             if last is not None:
                 raise
             self.m_rejected.labels("invalid").inc()
-            raise InvalidRequest(str(e), _field_of(str(e)) or "prompt") from None
+            raise InvalidRequest(str(e), field_of(str(e)) or "prompt") from None
         except RuntimeError as e:
             if "engine loop died" in str(e):
                 raise ServiceError(f"engine failure: {e}") from None

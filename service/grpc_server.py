@@ -182,6 +182,8 @@ def build_grpc_server(serving: ServingEngine, *, api_key: str | None = None) -> 
     limit = serving.limits.max_message_bytes
     server = grpc.aio.server(
         interceptors=[ApiKeyInterceptor(api_key)] if api_key else [],
+        # Generate calls are bounded by admission (max_in_flight); this also bounds cheap RPCs and idle streams.
+        maximum_concurrent_rpcs=max(1024, 4 * serving.limits.max_in_flight),
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

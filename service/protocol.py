@@ -128,7 +128,7 @@ def build_sampling_params(
     try:
         return SamplingParams(**kw)
     except ValueError as e:  # SamplingParams' own checks: their messages start with the field name
-        raise InvalidRequest(str(e), _field_of(str(e))) from None
+        raise InvalidRequest(str(e), field_of(str(e))) from None
 
 
 def _from_string(name: str, value: str):
@@ -151,7 +151,7 @@ def _from_string(name: str, value: str):
     raise InvalidRequest(f"{name}: cannot parse {value!r}", name)
 
 
-def _field_of(message: str) -> str | None:
+def field_of(message: str) -> str | None:
     first = message.split(" ", 1)[0].strip(":")
     return first if first in FIELDS or first == "prompt" else None
 

@@ -274,7 +274,6 @@ def test_unary_client_timeout_aborts(server):
 
 
 def test_api_key(server):
-    from service.async_engine import ServingEngine  # noqa: F401  (same engine, second server with a key)
     from service.server import ServerConfig, ServerThread
 
     keyed = ServerThread(server.server.serving, ServerConfig(grpc_port=None, http_port=0, api_key="s3cret")).start()
