@@ -7,6 +7,8 @@ The tensor contract is the one Triton's vLLM backend established:
   outputs  text_output BYTES [n] (deltas when streaming, full text otherwise; non-streaming prepends the prompt
            unless exclude_input_in_output), finish_reason BYTES [n], num_input_tokens UINT32 [1],
            num_output_tokens UINT32 [n]
+The metadata RPCs (ServerLive/Ready, ModelReady, ServerMetadata, ModelMetadata) and a minimal ModelConfig (tensors,
+max_batch_size 0, decoupled transaction policy, as tools such as perf_analyzer read it) describe this contract.
 ModelInfer answers with the full result. ModelStreamInfer is Triton's decoupled bidirectional stream: many
 requests on one stream, matched by `id`, each answered by one or more responses; errors travel in-band as
 `error_message` and the stream stays open. Every streamed response carries `triton_final_response`; a request
@@ -47,7 +49,7 @@ def _load_messages() -> dict[str, type]:
     fds = file_descriptor_set()
     for f in fds.file:
         pool.Add(f)
-    names = [m.name for f in fds.file for m in f.message_type]
+    names = [m.name for f in fds.file for m in f.message_type]  # top-level messages (nested ones hang off them)
     return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"inference.{n}")) for n in names}
 
 
@@ -61,6 +63,7 @@ _INPUTS = {
     "return_num_input_tokens": "BOOL",
     "return_num_output_tokens": "BOOL",
 }
+_OUTPUTS = {"text_output": "BYTES", "finish_reason": "BYTES", "num_input_tokens": "UINT32", "num_output_tokens": "UINT32"}
 # Request parameters Triton reserves for itself; everything else in `parameters` is read as a sampling field.
 _RESERVED = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "binary_data_output")
 
@@ -134,13 +137,28 @@ class KServeServicer:
             versions=["1"],
             platform="jaxserve",
             inputs=[T(name=n, datatype=d, shape=[1]) for n, d in _INPUTS.items()],
-            outputs=[
-                T(name="text_output", datatype="BYTES", shape=[-1]),
-                T(name="finish_reason", datatype="BYTES", shape=[-1]),
-                T(name="num_input_tokens", datatype="UINT32", shape=[1]),
-                T(name="num_output_tokens", datatype="UINT32", shape=[-1]),
-            ],
+            outputs=[T(name=n, datatype=d, shape=[1] if n == "num_input_tokens" else [-1]) for n, d in _OUTPUTS.items()],
         )
+
+    async def ModelConfig(self, request, context):
+        if request.name != self.serving.model_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
+        types = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "UINT32": "TYPE_UINT32"}
+        enum = self._data_type
+        config = M["ModelConfig"](
+            name=self.serving.model_name,
+            platform="jaxserve",
+            backend="jaxserve",
+            max_batch_size=0,
+            input=[M["ModelInput"](name=n, data_type=enum(types[d]), dims=[1], optional=n != "text_input") for n, d in _INPUTS.items()],
+            output=[M["ModelOutput"](name=n, data_type=enum(types[d]), dims=[-1]) for n, d in _OUTPUTS.items()],
+            model_transaction_policy=M["ModelTransactionPolicy"](decoupled=True),
+        )
+        return M["ModelConfigResponse"](config=config)
+
+    @staticmethod
+    def _data_type(name: str) -> int:
+        return M["ModelInput"].DESCRIPTOR.fields_by_name["data_type"].enum_type.values_by_name[name].number
 
     # ---- inference ------------------------------------------------------------------------------------------
 
@@ -290,6 +308,7 @@ def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:
         "ServerMetadata": unary("ServerMetadata", "ServerMetadataRequest", "ServerMetadataResponse"),
         "ModelMetadata": unary("ModelMetadata", "ModelMetadataRequest", "ModelMetadataResponse"),
         "ModelInfer": unary("ModelInfer", "ModelInferRequest", "ModelInferResponse"),
+        "ModelConfig": unary("ModelConfig", "ModelConfigRequest", "ModelConfigResponse"),
         "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
             servicer.ModelStreamInfer,
             request_deserializer=M["ModelInferRequest"].FromString,

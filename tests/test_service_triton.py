@@ -64,6 +64,9 @@ def test_metadata(client):
     assert {i.name: i.datatype for i in meta.inputs}["text_input"] == "BYTES"
     assert [o.name for o in meta.outputs][0] == "text_output"
     assert client.get_server_metadata().name == "jaxserve"
+    config = client.get_model_config(MODEL_NAME).config
+    assert config.model_transaction_policy.decoupled and config.max_batch_size == 0
+    assert [i.name for i in config.input][0] == "text_input" and config.input[0].data_type == 13  # TYPE_STRING
     with pytest.raises(InferenceServerException) as e:
         client.get_model_metadata("nope")
     assert "StatusCode.NOT_FOUND" in e.value.status()
