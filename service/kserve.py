@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import struct
 
@@ -35,6 +36,7 @@ import jaxserve
 from service.async_engine import ServingEngine
 from service.protocol import InvalidRequest, ModelNotFound, ServiceError, check_prompt
 
+logger = logging.getLogger(__name__)
 SERVICE_NAME = "inference.GRPCInferenceService"
 _BINPB = os.path.join(os.path.dirname(__file__), "proto", "kserve_v2.binpb")
 
@@ -268,9 +270,12 @@ class KServeServicer:
             try:
                 async for resp in self._results(req, self._parse(req), streamed=True):
                     await queue.put(M["ModelStreamInferResponse"](infer_response=resp))
-            except ServiceError as e:
+            except Exception as e:  # noqa: BLE001 -- in-band, so one bad request never ends the shared stream
+                if not isinstance(e, ServiceError):
+                    logger.exception("KServe stream request %r failed", req.id)
+                message = e.message if isinstance(e, ServiceError) else f"internal error: {e!r}"
                 err = M["ModelInferResponse"](model_name=req.model_name, model_version=req.model_version, id=req.id)
-                await queue.put(M["ModelStreamInferResponse"](error_message=e.message, infer_response=err))
+                await queue.put(M["ModelStreamInferResponse"](error_message=message, infer_response=err))
 
         async def read():
             async for req in request_iterator:
