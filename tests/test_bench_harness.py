@@ -1,0 +1,183 @@
+"""The benchmark harness itself (not its timings): statistics, ShareGPT parsing, KV capacity arithmetic, report and
+plot writing, peer skipping, and the `python -m bench` command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from bench import common, kv, peers, plots, spec
+from bench.sharegpt import iter_records
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_percentile_matches_numpy_linear():
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100):
+        xs = [rng.random() for _ in range(n)]
+        for q in (0, 1, 50, 90, 99, 100):
+            assert common.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert math.isnan(common.percentile([], 50))
+    with pytest.raises(ValueError, match="percentile"):
+        common.percentile([1.0], 101)
+
+
+def test_summarize():
+    s = common.summarize([4.0, 1.0, 3.0, 2.0])
+    assert (s["n"], s["mean"], s["min"], s["max"], s["p50"]) == (4, 2.5, 1.0, 4.0, 2.5)
+    assert s["p90"] == pytest.approx(3.7)
+    empty = common.summarize([])
+    assert empty["n"] == 0 and math.isnan(empty["p99"]) and math.isnan(empty["mean"])
+
+
+def test_interleave_runs_in_round_robin_order():
+    order = []
+
+    def runner(name):
+        def run():
+            order.append(name)
+            return {"x": float(len(order))}
+
+        return run
+
+    out = common.interleave({"a": runner("a"), "b": runner("b")}, rounds=3, log=lambda s: None)
+    assert order == ["a", "b"] * 3
+    assert [r["x"] for r in out["a"]] == [1.0, 3.0, 5.0]
+    with pytest.raises(ValueError, match="rounds"):
+        common.interleave({}, rounds=0)
+
+
+def test_median_range_and_format():
+    s = common.median_range([3.0, 1.0, 2.0])
+    assert (s["median"], s["min"], s["max"]) == (2.0, 1.0, 3.0)
+    assert common.fmt_range(s) == "2.0 [1.0–3.0]"
+    assert common.fmt_range(common.median_range([5.0])) == "5.0"
+
+
+def test_sharegpt_records_stop_at_the_truncated_tail():
+    recs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(3)]
+    text = json.dumps(recs, indent=1)
+    assert list(iter_records(text)) == recs
+    cut = text[: text.rindex('"q2"') + 2]  # inside the last record
+    assert list(iter_records(cut)) == recs[:2]
+    assert list(iter_records("[]")) == []
+
+
+def test_md_table_and_outputs(tmp_path):
+    t = common.md_table(["a", "b"], [[1.25, None], ["x|y", float("nan")]])
+    assert t.splitlines() == ["| a | b |", "| --- | --- |", "| 1.2 | – |", "| x\\|y | nan |"]
+    paths = common.write_outputs(str(tmp_path / "out"), "t", {"v": np.arange(3), "inf": "inf"}, "# hi")
+    assert json.load(open(paths[0])) == {"v": [0, 1, 2], "inf": "inf"}
+    assert open(paths[1]).read() == "# hi\n"
+
+
+def test_args_record_is_json_safe():
+    import argparse
+
+    ns = argparse.Namespace(rates=[1.0, math.inf], run=print, name="x")
+    rec = common.args_record(ns)
+    assert rec == {"rates": [1.0, "inf"], "name": "x"}
+    json.dumps(rec, allow_nan=False)
+
+
+def test_machine_info_has_versions_and_load():
+    m = common.machine_info()
+    assert m["cpu_count"] >= 1 and len(m["loadavg"]) == 3 and m["python"]
+    assert m["versions"]["numpy"] == np.__version__
+    assert "numpy" in common.machine_line(m)
+
+
+def test_plots_write_png(tmp_path):
+    assert plots.bars({"a": 1.0, "b": 2.5}, str(tmp_path / "b.png"), title="t", ylabel="y", baseline=1.0)
+    assert open(tmp_path / "b.png", "rb").read(8) == PNG
+    assert plots.grouped_bars({"g1": {"x": 3, "y": 4}, "g2": {"x": 5}}, str(tmp_path / "g.png"), title="t", ylabel="y")
+    assert open(tmp_path / "g.png", "rb").read(8) == PNG
+    assert plots.bars({}, str(tmp_path / "none.png"), title="t", ylabel="y") == []
+
+
+def _tiny_model_config():
+    from jaxserve.config import ModelConfig
+
+    return ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4)
+
+
+def test_kv_capacity_by_hand():
+    cfg = _tiny_model_config()
+    budget = 1 << 20
+    f32 = kv.capacity(cfg, budget, "float32", 16, [64, 256])
+    # K and V, 2 layers, 2 kv heads, 16 dims, 4 bytes -> 512 B per token, 8192 B per 16-token page -> 128 pages
+    assert f32["bytes_per_token"] == 512 and f32["num_pages"] == 128
+    assert f32["max_tokens"] == 127 * 16 and f32["max_seqs"] == {"64": 127 // 4, "256": 127 // 16}
+    i8 = kv.capacity(cfg, budget, "int8", 16, [64])
+    assert i8["bytes_per_token"] == 2 * 2 * 2 * (16 + 4)  # int8 values plus an f32 scale per token and head
+    assert i8["num_pages"] == budget // (16 * 160)
+    lc = kv.llamacpp_capacity(cfg, budget, "q8_0", [64])
+    assert lc["bytes_per_token"] == pytest.approx(2 * 2 * 2 * 16 * 34 / 32)
+
+
+def test_kv_report_lists_every_dtype():
+    cfg = _tiny_model_config()
+    res = {d: kv.capacity(cfg, 1 << 20, d, 16, [64]) for d in ("float32", "int8")}
+    peer = {"f16": kv.llamacpp_capacity(cfg, 1 << 20, "f16", [64])}
+    verify = {"int8": dict(context=64, capacity=5, peak_running=5, peak_kv_usage=1.0, preemptions=0, ok=True)}
+    md = kv.report(dict(args=dict(budget_gib=1 / 1024, contexts=[64], page_size=16, verify_budget_mib=1), model="tiny",
+                        jaxserve=res, llamacpp=peer, verify=verify, command="c", machine=common.machine_info()))
+    assert "| jaxserve | float32 | 512 | 2032 | 31 |" in md
+    assert "| llama.cpp (by format) | f16 |" in md and "| int8 | 64 | 5 | 5 | 100% | 0 | yes |" in md
+
+
+def test_spec_report_marks_unavailable_methods():
+    machine = common.machine_info()
+    rec = dict(args=dict(max_tokens=16, rounds=1), command="c", machine=machine, unavailable=None, methods=[
+        dict(label="eagle3", error="ValueError: speculative_config.method must be one of ngram"),
+        dict(label="ngram k=4", batch1=dict(speedup=1.5, spec_tok_s=30.0, none_tok_s=20.0, acceptance_rate=0.5,
+                                            mismatched_requests=0, requests=2),
+             load=dict(speedup=0.9, spec_tok_s=90.0, none_tok_s=100.0, acceptance_rate=None, mismatched_requests=1,
+                       requests=8))])
+    md = spec.report(rec)
+    assert "| eagle3 | not available |" in md
+    assert "| ngram k=4 | batch 1 | 1.50x | 30.0 / 20.0 | 0.50 | lossless |" in md
+    assert "| ngram k=4 | 8 requests at once | 0.90x |" in md and "1 outputs differ" in md
+    md = spec.report(dict(rec, methods=[], unavailable="not available: no speculative_config"))
+    assert "Speculative decoding: not available: no speculative_config" in md
+
+
+def test_missing_peers_are_skipped_with_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(peers, "has_module", lambda name: False)
+    assert "scripts/install_peers.sh hf" in peers.hf_missing()
+    assert "scripts/install_peers.sh llamacpp" in peers.llamacpp_missing()
+    monkeypatch.setenv("BENCH_VLLM_PYTHON", str(tmp_path / "no-python"))
+    assert peers.vllm_python() is None and "install_peers.sh vllm" in peers.vllm_missing()
+    out, why = peers.run_vllm_worker({"mode": "decode"})
+    assert out is None and "vLLM-CPU peer skipped" in why
+
+    from bench import servers
+
+    monkeypatch.setattr(peers, "llamacpp_gguf", lambda: ("/nonexistent.gguf", ""))
+    monkeypatch.setattr(peers, "llama_server_binary", lambda: None)
+    for name in ("llamacpp", "vllm"):
+        srv, why = servers.start(name, max_num_seqs=2, max_model_len=64, log_dir=str(tmp_path))
+        assert srv is None and "not installed" in why
+    with pytest.raises(ValueError, match="unknown engine"):
+        servers.start("nope", max_num_seqs=2, max_model_len=64, log_dir=str(tmp_path))
+
+
+def test_cli_parses_every_subcommand():
+    from bench.__main__ import SUBCOMMANDS, build_parser
+
+    ap = build_parser()
+    assert set(SUBCOMMANDS) == {"throughput", "serve", "latency", "spec", "kv"}
+    a = ap.parse_args(["serve", "--url", "http://x", "--rates", "1", "inf"])
+    assert a.rates == [1.0, math.inf] and a.url == "http://x" and callable(a.run)
+    assert ap.parse_args(["throughput", "--hf-requests", "32"]).hf_requests == 32
+    assert ap.parse_args(["latency", "--batches", "1"]).batches == [1]
+    assert ap.parse_args(["kv", "--dtypes", "int8"]).dtypes == ["int8"]
+    assert json.loads(ap.parse_args(["spec"]).methods[0])["method"] == "ngram"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["nope"])

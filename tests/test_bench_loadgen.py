@@ -1,0 +1,229 @@
+"""The serving load generator against a mock OpenAI streaming server (127.0.0.1), and its statistics.
+
+The mock streams `max_tokens` one-token chunks; prompts "fail" (HTTP 500), "midfail" (an error event after one
+chunk) and "nousage" (no usage chunk) exercise the failure and counting paths. It records every request's body and
+the most requests it had in flight at once, so concurrency limits and request fields can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from bench import serve  # noqa: E402
+from bench.loadgen import (  # noqa: E402
+    LoadRequest,
+    OpenAICompletionsClient,
+    RequestResult,
+    arrival_times,
+    metrics,
+    run_load,
+)
+
+
+class MockServer:
+    def __init__(self, chunk_delay_s: float = 0.002):
+        self.delay = chunk_delay_s
+        self.bodies: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if body["prompt"] == "fail":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            n = body["max_tokens"]
+            for i in range(n):
+                await asyncio.sleep(self.delay)
+                chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if body["prompt"] == "midfail":
+                    await resp.write(b'data: {"error": {"message": "engine died"}}\n\n')
+                    return resp
+            if body["prompt"] != "nousage" and body.get("stream_options", {}).get("include_usage"):
+                usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}}
+                await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            self.in_flight -= 1
+
+
+def run_against_mock(coro_fn, mock: MockServer | None = None):
+    """Start the mock on a free port, run `coro_fn(url)`, stop the mock; returns (result, mock)."""
+    mock = mock or MockServer()
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", mock.completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await coro_fn(f"http://127.0.0.1:{port}")
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main()), mock
+
+
+def reqs(n: int, out_len: int = 5, prompt: str = "hello") -> list[LoadRequest]:
+    return [LoadRequest(prompt, 3, out_len) for _ in range(n)]
+
+
+def test_all_at_once_streams_every_token_and_runs_concurrently():
+    async def go(url):
+        async with OpenAICompletionsClient(url, "m", extra={"ignore_eos": True}) as c:
+            return await run_load(c, reqs(6, out_len=5), math.inf)
+
+    (results, wall), mock = run_against_mock(go)
+    assert len(results) == 6 and all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == [5] * 6
+    assert all(len(r.itl) == 4 for r in results)  # 5 text chunks -> 4 gaps
+    assert all(0 < r.ttft <= r.latency for r in results)
+    assert mock.max_in_flight == 6  # rate inf sends everything at once
+    body = mock.bodies[0]
+    assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 5
+    assert body["model"] == "m" and body["temperature"] == 0.0
+    m = metrics(results, wall)
+    assert (m["completed"], m["failed"], m["output_tokens"]) == (6, 0, 30)
+    assert m["itl_ms"]["n"] == 24 and m["ttft_ms"]["n"] == 6 and m["tpot_ms"]["n"] == 6
+
+
+def test_max_concurrency_bounds_requests_in_flight():
+    async def go(url):
+        async with OpenAICompletionsClient(url, "m") as c:
+            return await run_load(c, reqs(6, out_len=3), math.inf, max_concurrency=2)
+
+    (results, _), mock = run_against_mock(go)
+    assert all(r.ok for r in results)
+    assert mock.max_in_flight == 2
+
+
+def test_poisson_rate_completes_every_request():
+    async def go(url):
+        async with OpenAICompletionsClient(url, "m") as c:
+            return await run_load(c, reqs(5, out_len=2), 200.0, seed=3)
+
+    (results, _), mock = run_against_mock(go)
+    assert len(mock.bodies) == 5 and all(r.ok for r in results)
+
+
+def test_failures_are_counted_by_kind_and_excluded_from_latency():
+    mixed = reqs(2) + [LoadRequest("fail", 1, 4), LoadRequest("midfail", 1, 4)]
+
+    async def go(url):
+        async with OpenAICompletionsClient(url, "m") as c:
+            return await run_load(c, mixed, math.inf)
+
+    (results, wall), _ = run_against_mock(go)
+    assert [r.ok for r in results] == [True, True, False, False]
+    assert results[2].error.startswith("HTTP 500") and "boom" in results[2].error
+    assert results[3].error.startswith("stream error") and "engine died" in results[3].error
+    m = metrics(results, wall)
+    assert m["failed"] == 2 and m["errors"] == {"HTTP 500": 1, "stream error": 1}
+    assert m["ttft_ms"]["n"] == 2 and m["output_tokens"] == 10
+
+
+def test_connection_refused_is_a_failed_request_not_a_crash():
+    async def go():
+        async with OpenAICompletionsClient("http://127.0.0.1:9", "m", timeout_s=5) as c:
+            return await run_load(c, reqs(2), math.inf)
+
+    results, wall = asyncio.run(go())
+    assert not any(r.ok for r in results)
+    assert metrics(results, wall)["failed"] == 2
+
+
+def test_token_count_falls_back_to_text_chunks_without_usage():
+    async def go(url):
+        async with OpenAICompletionsClient(url, "m") as c:
+            return await run_load(c, reqs(1, out_len=4, prompt="nousage"), math.inf)
+
+    (results, _), _ = run_against_mock(go)
+    assert results[0].ok and results[0].output_len == 4
+
+
+def test_arrival_times():
+    assert arrival_times(4, math.inf) == [0.0] * 4
+    a = arrival_times(4000, 10.0, seed=1)
+    assert a == arrival_times(4000, 10.0, seed=1) and a != arrival_times(4000, 10.0, seed=2)
+    assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    mean = sum(gaps) / len(gaps)
+    assert abs(mean - 0.1) < 0.01  # exponential gaps, mean 1/rate (sd of the mean ~0.0016)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert 0.9 < cv < 1.1  # exponential: sd == mean (a fixed-gap generator would give 0)
+    with pytest.raises(ValueError, match="rate"):
+        arrival_times(3, 0.0)
+
+
+def test_goodput_and_slo_attainment_by_hand():
+    def res(ttft, latency, n):
+        return RequestResult(ok=True, prompt_len=10, output_len=n, ttft=ttft, latency=latency, itl=[0.01] * (n - 1))
+
+    results = [
+        res(0.1, 1.1, 11),  # TPOT 100 ms: meets both
+        res(0.5, 1.5, 11),  # TTFT 500 ms: misses TTFT
+        res(0.1, 3.1, 11),  # TPOT 300 ms: misses TPOT
+        res(0.1, 0.1, 1),  # one token: no TPOT, meets
+        RequestResult(ok=False, prompt_len=10, error="HTTP 429: busy"),
+    ]
+    m = metrics(results, 2.0, slo_ttft_ms=200, slo_tpot_ms=150)
+    assert m["completed"] == 4 and m["failed"] == 1 and m["errors"] == {"HTTP 429": 1}
+    assert m["goodput"] == pytest.approx(2 / 2.0)
+    assert m["slo_attainment"] == pytest.approx(2 / 5)
+    assert m["tpot_ms"]["n"] == 3 and m["tpot_ms"]["p50"] == pytest.approx(100.0)
+    assert m["output_tok_s"] == pytest.approx(34 / 2.0)
+    assert metrics(results, 2.0)["goodput"] == pytest.approx(4 / 2.0)  # no SLO: every completed request counts
+
+
+def test_serve_measure_interleaves_engines_and_reports(tmp_path):
+    """serve.measure over two 'engines' (the same mock twice), then medians, the markdown and the PNG."""
+
+    class Args:
+        rates = [math.inf, 100.0]
+        rounds = 2
+        seed = 0
+        max_concurrency = None
+        slo_ttft_ms = 10_000.0
+        slo_tpot_ms = 10_000.0
+
+    async def go(url):
+        targets = {"jaxserve": dict(url=url, model="m", extra={}), "peer": dict(url=url, model="m", extra={})}
+        return await serve.measure(targets, reqs(3, out_len=3), Args)
+
+    raw, mock = run_against_mock(go)
+    assert set(raw) == {"jaxserve", "peer"} and set(raw["peer"]) == {"inf", "100.0"}
+    assert all(len(rounds) == 2 for by_rate in raw.values() for rounds in by_rate.values())
+    assert len(mock.bodies) == 2 * 2 + 2 * 2 * 2 * 3  # warm-up 2 per engine, then rounds x rates x engines x 3
+    summary = {n: {r: serve.medians(ms) for r, ms in by_rate.items()} for n, by_rate in raw.items()}
+    assert summary["jaxserve"]["inf"]["failed"] == 0 and summary["jaxserve"]["inf"]["slo_attainment"] == 1.0
+    record = dict(args=dict(dataset="random", num_prompts=3, max_output_len=3, max_num_seqs=4, slo_ttft_ms=1e4,
+                            slo_tpot_ms=1e4, rounds=2), summary=summary, notes={"peer": "a mock"},
+                  command="python -m bench serve", machine=_machine())
+    md = serve.report(record)
+    assert "| jaxserve | inf |" in md and "| peer | 100.0 |" in md and "vs peer at inf req/s" in md
+    from bench import plots
+
+    png = plots.latency_vs_rate(summary, str(tmp_path / "serve.png"))
+    assert png and open(png[0], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _machine():
+    from bench.common import machine_info
+
+    return machine_info()
