@@ -135,6 +135,13 @@ def test_kernel_matches_reference_q_len_mixes(mix, page_size):
     check_against_reference(args, "float32", q_lens, sm_scale=0.125)
 
 
+@pytest.mark.parametrize("page_size", [32, 128])  # pages larger than a key step: one page per step
+def test_kernel_matches_reference_large_pages(page_size):
+    q_lens, kv_lens = [20, 1, 1, 4], [150, 129, 32, 260]
+    args, _ = make_case(q_lens, kv_lens, page_size=page_size, seed=10)
+    check_against_reference(args, "float32", q_lens, sm_scale=0.125)
+
+
 @pytest.mark.parametrize("N,K", [(4, 4), (4, 2), (8, 1), (6, 2), (16, 2)])  # MHA, GQA 2, MQA, G=3 (padded), G=8
 def test_kernel_matches_reference_gqa(N, K):
     q_lens, kv_lens = MIXES["mixed"]

@@ -8,6 +8,11 @@ XLA reference everywhere else, logging once per reason when it falls back on a G
 Block sizes come from `BLOCK_TABLE`, keyed by the step's shape class (decode / verify / prefill, from the average
 query tokens per sequence of the static bucket) and head dim; `block_sizes_for` turns an entry into the launch's
 `BlockSizes` for a concrete group size, page size and batch.
+
+The KV write path has no kernel of its own: `jaxserve.kv_cache.write_kv` quantizes the step's new keys and values
+(per token and kv head, `reference.quantize_kv`) and scatters them into the donated cache; XLA fuses the
+quantization into the scatter's operand and updates in place, so a Pallas write kernel would move the same
+T x K x H bytes. (A judgement, not a GPU measurement.)
 """
 
 from __future__ import annotations
