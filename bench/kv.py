@@ -70,10 +70,11 @@ def verify(model, kv_cache_dtype: str, budget_bytes: int, context: int, page_siz
     eng = LLM(model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget_bytes, page_size=page_size,
               max_model_len=context, max_num_seqs=cap, max_num_batched_tokens=max(cap, 256),
               enable_prefix_caching=False, precompile=False).llm_engine
-    out_len = 4
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    # Short prompts, long outputs: every sequence is admitted long before the first one finishes.
+    prompt_len = max(1, context // 4)
+    params = SamplingParams(temperature=0, max_tokens=context - prompt_len, ignore_eos=True)
     for i in range(cap):
-        ids = [(100 + 7 * i + j) % 40000 + 10 for j in range(context - out_len)]
+        ids = [(100 + 7 * i + j) % 40000 + 10 for j in range(prompt_len)]
         eng.add_request(f"kv{i}", {"prompt_token_ids": ids}, params)
     peak_running = peak_usage = 0.0
     while eng.has_unfinished_requests():

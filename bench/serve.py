@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import math
+import shlex
 import statistics
 
 from bench import plots
@@ -48,6 +49,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=200.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-timeout", type=float, default=900, help="s to wait for a server to become healthy")
+    ap.add_argument("--jaxserve-args", default="",
+                    help="extra `jaxserve serve` flags, e.g. '--config configs/engine/x.yaml' or '--no-precompile'")
     ap.add_argument("--out", default=OUT_DIR)
     ap.add_argument("--name", default="serve", help="output file stem")
 
@@ -155,7 +158,8 @@ def run(args) -> dict:
     else:
         for name in args.engines:
             srv, note = servers.start(name, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                      log_dir=args.out, timeout_s=args.server_timeout)
+                                      log_dir=args.out, timeout_s=args.server_timeout,
+                                      jaxserve_args=shlex.split(args.jaxserve_args))
             if srv is None:
                 print(f"[serve] {name} skipped: {note}", flush=True)
                 notes[name] = f"skipped: {note.splitlines()[0]}"

