@@ -4,6 +4,10 @@ A step runs `num_seqs` sequences. Sequence s contributes `q_len[s]` new tokens (
 token), laid out contiguously: tokens `cu_q_lens[s]:cu_q_lens[s+1]`. Everything past the real tokens/sequences is
 padding: padding tokens write their KV into page 0 (the sink), padding sequences have length 0 and an all-zero
 block table, and padding logits rows read token 0 and are ignored by the host.
+
+Sampling rows: each sequence samples at its last new token; a sequence verifying `num_draft` speculative tokens
+samples at its last 1 + num_draft tokens (one row per verify position). Rows are laid out in sequence order, so
+sequence s owns rows `cu_rows[s]:cu_rows[s+1]` (`row_offsets`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ class StepInputs:
     seq_lens: jax.Array  # i32[S]  kv length of each sequence after this step
     cu_q_lens: jax.Array  # i32[S+1]
     num_seqs: jax.Array  # i32[]
-    logits_indices: jax.Array  # i32[S]  token whose logits each sequence needs (its last new token)
+    logits_indices: jax.Array  # i32[R]  token whose logits each sampling row needs
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,11 @@ class Bucket:
     num_tokens: int  # T
     num_seqs: int  # S
     max_pages: int  # pages per block-table row
+    num_rows: int = 0  # R sampling rows (0 = S; more with speculative verify rows)
+
+    @property
+    def rows(self) -> int:
+        return self.num_rows or self.num_seqs
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class ScheduledSeq:
     token_ids: list[int]
     start: int  # position of token_ids[0]
     page_ids: list[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
+    num_draft: int = 0  # the last num_draft of token_ids are speculative drafts to verify
 
 
 def smallest_at_least(buckets: tuple[int, ...], n: int) -> int:
@@ -52,10 +62,25 @@ def smallest_at_least(buckets: tuple[int, ...], n: int) -> int:
 
 
 def choose_bucket(
-    num_tokens: int, num_pages: int, token_buckets: tuple[int, ...], page_buckets: tuple[int, ...], max_num_seqs: int
+    num_tokens: int,
+    num_pages: int,
+    token_buckets: tuple[int, ...],
+    page_buckets: tuple[int, ...],
+    max_num_seqs: int,
+    max_rows_per_seq: int = 1,
 ) -> Bucket:
     T = smallest_at_least(token_buckets, num_tokens)
-    return Bucket(num_tokens=T, num_seqs=min(T, max_num_seqs), max_pages=smallest_at_least(page_buckets, num_pages))
+    S = min(T, max_num_seqs)
+    R = min(T, max_num_seqs * max_rows_per_seq) if max_rows_per_seq > 1 else 0
+    return Bucket(num_tokens=T, num_seqs=S, max_pages=smallest_at_least(page_buckets, num_pages), num_rows=R)
+
+
+def row_offsets(seqs: list[ScheduledSeq]) -> list[int]:
+    """cu_rows: sequence s samples at rows cu_rows[s]:cu_rows[s+1]."""
+    out = [0]
+    for sq in seqs:
+        out.append(out[-1] + 1 + sq.num_draft)
+    return out
 
 
 def build_step_inputs(seqs: list[ScheduledSeq], bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
@@ -69,7 +94,10 @@ def build_step_inputs(seqs: list[ScheduledSeq], bucket: Bucket, page_size: int) 
     block_tables = np.zeros((S, max_pages), np.int32)
     seq_lens = np.zeros(S, np.int32)
     cu_q_lens = np.zeros(S + 1, np.int32)
-    logits_indices = np.zeros(S, np.int32)
+    logits_indices = np.zeros(bucket.rows, np.int32)
+    rows = row_offsets(seqs)
+    if rows[-1] > bucket.rows:
+        raise ValueError(f"{rows[-1]} sampling rows exceed the bucket's {bucket.rows}")
     t = 0
     for s, sq in enumerate(seqs):
         n = len(sq.token_ids)
@@ -82,7 +110,7 @@ def build_step_inputs(seqs: list[ScheduledSeq], bucket: Bucket, page_size: int) 
         seq_lens[s] = sq.start + n
         t += n
         cu_q_lens[s + 1] = t
-        logits_indices[s] = t - 1
+        logits_indices[rows[s] : rows[s + 1]] = np.arange(t - 1 - sq.num_draft, t)
     if t > T:
         raise ValueError(f"{t} tokens exceed the bucket's {T}")
     cu_q_lens[len(seqs) + 1 :] = t

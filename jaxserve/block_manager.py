@@ -94,6 +94,22 @@ class BlockManager:
             self._ref[page] = 1
             seq.page_ids.append(page)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release `seq`'s pages past those holding `num_tokens` tokens (rejected speculative slots)."""
+        keep = pages_for(num_tokens, self.page_size)
+        while len(seq.page_ids) > keep:
+            self._release(seq.page_ids.pop())
+        del seq.page_hashes[keep:]
+
+    def _release(self, page: int) -> None:
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            del self._ref[page]
+            if page in self._page_key:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
     def _evict(self) -> int:
         page, _ = self._evictable.popitem(last=False)
         h, _ = self._page_key.pop(page)
@@ -103,13 +119,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s pages (tail first, so a prefix outlives its tails in the LRU order)."""
         for page in reversed(seq.page_ids):
-            self._ref[page] -= 1
-            if self._ref[page] == 0:
-                del self._ref[page]
-                if page in self._page_key:
-                    self._evictable[page] = None
-                else:
-                    self._free.append(page)
+            self._release(page)
         seq.page_ids = []
         seq.page_hashes = []
 

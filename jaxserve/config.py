@@ -88,6 +88,44 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's `speculative_config` keys."""
+
+    method: str  # "ngram" (prompt lookup)
+    num_speculative_tokens: int  # K: the most draft tokens verified per sequence per step
+    prompt_lookup_max: int = 4  # ngram: longest suffix n-gram looked up in the sequence's own tokens
+    prompt_lookup_min: int = 1  # ngram: shortest
+    adaptive: bool = True  # choose K per step from measured step cost and acceptance (never slower than K = 0)
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer in [1, 16] (got {self.num_speculative_tokens!r})"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max "
+                f"(got {self.prompt_lookup_min}, {self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SpeculativeConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        missing = [k for k in ("method", "num_speculative_tokens") if k not in values]
+        if missing:
+            raise ValueError(f"speculative_config needs {', '.join(missing)}")
+        return cls(**values)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine runs a model. Names follow vLLM's engine arguments where the concept exists there."""
@@ -107,8 +145,11 @@ class EngineConfig:
     precompile: bool = True  # compile every (tokens, pages) bucket at start; False = compile each on first use
     priority_aging_steps: int = 100  # a waiting request gains one priority level per this many steps
     seed: int = 0
+    speculative_config: SpeculativeConfig | None = None  # or a dict with vLLM's keys: {"method": "ngram", ...}
 
     def __post_init__(self):
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "priority_aging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
@@ -132,6 +173,10 @@ class EngineConfig:
                 f"largest token bucket {max(self.token_buckets)} is below max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}"
             )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
+from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket, row_offsets
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import kv_cache_bytes
@@ -26,6 +26,8 @@ from jaxserve.sampler import MAX_BANNED, SamplingInputs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, ScheduledWork
 from jaxserve.sequence import Sequence
+from jaxserve.spec_decode import SpecController, make_proposer
+from jaxserve.spec_decode.rejection import NO_DRAFT, accepted_length
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,10 @@ class LLMEngine:
         self._eos_ids = tuple(
             dict.fromkeys(self.model_config.eos_token_ids + (self.tokenizer.eos_token_ids if self.tokenizer else ()))
         )
+        self.spec: SpecController | None = None
+        if engine_config.speculative_config is not None:
+            self.spec = SpecController(engine_config.speculative_config, engine_config.token_buckets)
+            self.proposer = make_proposer(engine_config.speculative_config)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(engine_config.seed)
@@ -187,21 +193,47 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
-        }
+        } | ({} if self.spec is None else {
+            "spec_decode_acceptance_rate": self.spec.metrics.acceptance_rate,
+            "spec_decode_mean_acceptance_length": self.spec.metrics.mean_acceptance_length,
+            "spec_decode_num_draft_tokens": sum(self.spec.metrics.num_drafts),
+            "spec_decode_num_accepted_tokens": sum(self.spec.metrics.num_accepted),
+        })
 
     # ---- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self._propose()
         work = self.scheduler.schedule()
         if not work:
             return []
         bucket, inputs, sampling = self._build(work)
         targets = self._prompt_targets(work, bucket.num_tokens)
+        t0 = time.perf_counter()
         out, prompt_lp = self.runner.run(bucket, inputs, sampling, targets)
+        if self.spec is not None:
+            self.spec.record_step(sum(w.num_tokens for w in work), time.perf_counter() - t0)
         self.num_steps += 1
         if prompt_lp is not None:
             self._record_prompt_logprobs(work, prompt_lp)
         return self._postprocess(work, out)
+
+    def _propose(self) -> None:
+        """Draft tokens for every decoding sequence (the scheduler decides how many of them it can verify)."""
+        running = self.scheduler.running
+        decoding = [s for s in running if s.num_uncomputed_tokens == 1]
+        base = sum(min(s.num_uncomputed_tokens, self.config.max_num_batched_tokens) for s in running)
+        k_step = self.spec.choose_k(min(base, self.config.max_num_batched_tokens), len(decoding))
+        for seq in running:
+            seq.spec_token_ids = []
+        for seq in decoding:
+            p = seq.params
+            k = k_step if p.num_speculative_tokens is None else min(k_step, p.num_speculative_tokens)
+            # Never propose past the request's end: at most k drafts + 1 token may still be emitted.
+            k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.config.max_model_len - seq.num_tokens - 1)
+            if k > 0:
+                seq.spec_token_ids = self.proposer.propose(seq.token_ids, k)
 
     def _prompt_targets(self, work: list[ScheduledWork], num_tokens: int) -> np.ndarray | None:
         """Next-token targets for prompt chunks of requests that asked for prompt_logprobs (None if none did)."""
@@ -237,9 +269,11 @@ class LLMEngine:
     def _build(self, work: list[ScheduledWork]):
         seqs = [
             ScheduledSeq(
-                w.seq.token_ids[w.seq.num_computed_tokens : w.seq.num_computed_tokens + w.num_tokens],
+                w.seq.token_ids[w.seq.num_computed_tokens : w.seq.num_computed_tokens + w.num_tokens - w.num_draft]
+                + w.seq.spec_token_ids[: w.num_draft],
                 w.seq.num_computed_tokens,
                 w.seq.page_ids,
+                w.num_draft,
             )
             for w in work
         ]
@@ -250,60 +284,76 @@ class LLMEngine:
             cfg.token_buckets,
             cfg.page_buckets,
             cfg.max_num_seqs,
+            1 + cfg.num_speculative_tokens,
         )
         inputs = build_step_inputs(seqs, bucket, cfg.page_size)
-        sampling = SamplingInputs.host_arrays(bucket.num_seqs, bucket.max_pages * cfg.page_size)
-        for row, w in enumerate(work):
-            seq, p = w.seq, w.seq.params
+        sampling = SamplingInputs.host_arrays(bucket.rows, bucket.max_pages * cfg.page_size)
+        if self.spec is not None:
+            sampling["draft_ids"] = np.full(bucket.rows, NO_DRAFT, np.int32)
+        for w, row0 in zip(work, row_offsets(seqs)):
             if not w.completes_sequence:
                 continue  # a prefill chunk that samples nothing: neutral row
-            sampling["temperature"][row] = p.temperature
-            sampling["top_k"][row] = p.top_k
-            sampling["top_p"][row] = p.top_p
-            sampling["min_p"][row] = p.min_p
-            sampling["wants_logprobs"][row] = p.logprobs is not None
-            if p.seed is not None:  # same seed -> same draws, whatever shares the batch
-                sampling["seeds"][row] = _mix32(p.seed, seq.index, len(seq.output_token_ids))
-            else:
-                sampling["seeds"][row] = self._rng.integers(0, 2**32, dtype=np.uint32)
-            if p.has_penalties:
-                sampling["repetition_penalty"][row] = p.repetition_penalty
-                sampling["frequency_penalty"][row] = p.frequency_penalty
-                sampling["presence_penalty"][row] = p.presence_penalty
-                sampling["history"][row, : seq.num_tokens] = seq.token_ids
-                sampling["history_is_output"][row, seq.num_prompt_tokens : seq.num_tokens] = True
-            if len(seq.output_token_ids) < p.min_tokens:
-                banned = self._stop_ids(p)
-                sampling["banned"][row, : len(banned)] = banned
+            drafts = w.seq.spec_token_ids[: w.num_draft]
+            for j in range(w.num_draft + 1):  # verify position j has drafts[:j] as its newest output tokens
+                self._fill_row(sampling, row0 + j, w.seq, drafts[:j])
+                if j < w.num_draft:
+                    sampling["draft_ids"][row0 + j] = drafts[j]
         return bucket, inputs, sampling
+
+    def _fill_row(self, sampling: dict[str, np.ndarray], row: int, seq: Sequence, extra: list[int]) -> None:
+        """Sampling settings of one row: `seq` as if `extra` (verified drafts) had already been generated."""
+        p = seq.params
+        num_out = len(seq.output_token_ids) + len(extra)
+        sampling["temperature"][row] = p.temperature
+        sampling["top_k"][row] = p.top_k
+        sampling["top_p"][row] = p.top_p
+        sampling["min_p"][row] = p.min_p
+        sampling["wants_logprobs"][row] = p.logprobs is not None
+        if p.seed is not None:  # same seed -> same draws, whatever shares the batch
+            sampling["seeds"][row] = _mix32(p.seed, seq.index, num_out)
+        else:
+            sampling["seeds"][row] = self._rng.integers(0, 2**32, dtype=np.uint32)
+        if p.has_penalties:
+            sampling["repetition_penalty"][row] = p.repetition_penalty
+            sampling["frequency_penalty"][row] = p.frequency_penalty
+            sampling["presence_penalty"][row] = p.presence_penalty
+            tokens = seq.token_ids + extra
+            sampling["history"][row, : len(tokens)] = tokens
+            sampling["history_is_output"][row, seq.num_prompt_tokens : len(tokens)] = True
+        if num_out < p.min_tokens:
+            banned = self._stop_ids(p)
+            sampling["banned"][row, : len(banned)] = banned
 
     def _postprocess(self, work: list[ScheduledWork], out: dict[str, np.ndarray]) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, Request] = {}
-        for row, w in enumerate(work):
+        rows = itertools.accumulate((1 + w.num_draft for w in work), initial=0)
+        for w, row0 in zip(work, rows):
             seq = w.seq
-            sample = w.completes_sequence
-            seq.num_computed_tokens += w.num_tokens
-            self.block_manager.register_computed(seq)
-            if not sample or seq.is_finished:
+            if not w.completes_sequence or seq.is_finished:
+                seq.num_computed_tokens += w.num_tokens
+                self.block_manager.register_computed(seq)
                 continue
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
-            token = int(out["token_ids"][row])
-            seq.output_token_ids.append(token)
-            seq.output_logprobs.append(float(out["logprobs"][row]))
-            k = seq.params.logprobs
-            if k is not None:
-                top = [
-                    (int(t), float(lp), r + 1)
-                    for r, (t, lp) in enumerate(zip(out["top_ids"][row][:k], out["top_logprobs"][row][:k]))
-                ]
-                if token not in (t for t, _, _ in top):
-                    top.append((token, float(out["logprobs"][row]), int(out["ranks"][row])))
-                seq.output_top_logprobs.append(top)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self._check_stop(req, seq, token, now)
+            # Rows row0 .. row0+num_draft verify the drafts in order; the walk stops at the first rejected one,
+            # whose row holds the replacement token (or, all accepted, the last row holds the bonus token).
+            accepted = accepted_length(out["accepted"][row0 : row0 + w.num_draft].tolist()) if w.num_draft else 0
+            emitted = 0
+            for row in range(row0, row0 + accepted + 1):
+                self._append_token(req, seq, out, row, now)
+                emitted += 1
+                if seq.is_finished:
+                    break
+            # KV is valid for the old tokens and the accepted drafts that were kept; the last emitted token is new.
+            seq.num_computed_tokens += w.num_tokens - w.num_draft + min(accepted, emitted - 1)
+            if w.num_draft:
+                self.spec.metrics.record(w.num_draft, accepted)
+                seq.spec_num_verified += w.num_draft
+                seq.spec_num_accepted += accepted
+                self.block_manager.trim(seq, seq.num_tokens)  # pages that only held rejected drafts
+            seq.spec_token_ids = []
+            self.block_manager.register_computed(seq)
             if seq.is_finished:
                 self.scheduler.finish(seq)
         outputs = [self._request_output(req) for req in touched.values()]
@@ -311,6 +361,23 @@ class LLMEngine:
             if o.finished:
                 del self.requests[o.request_id]
         return outputs
+
+    def _append_token(self, req: Request, seq: Sequence, out: dict[str, np.ndarray], row: int, now: float) -> None:
+        token = int(out["token_ids"][row])
+        seq.output_token_ids.append(token)
+        seq.output_logprobs.append(float(out["logprobs"][row]))
+        k = seq.params.logprobs
+        if k is not None:
+            top = [
+                (int(t), float(lp), r + 1)
+                for r, (t, lp) in enumerate(zip(out["top_ids"][row][:k], out["top_logprobs"][row][:k]))
+            ]
+            if token not in (t for t, _, _ in top):
+                top.append((token, float(out["logprobs"][row]), int(out["ranks"][row])))
+            seq.output_top_logprobs.append(top)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self._check_stop(req, seq, token, now)
 
     def _check_stop(self, req: Request, seq: Sequence, token: int, now: float) -> None:
         p = seq.params
@@ -368,6 +435,8 @@ class LLMEngine:
             num_prompt_tokens=len(req.prompt_token_ids),
             num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
+            spec_num_draft_tokens=sum(s.spec_num_verified for s in req.seqs),
+            spec_num_accepted_tokens=sum(s.spec_num_accepted for s in req.seqs),
         )
         prompt_logprobs = None
         if req.params.prompt_logprobs is not None:

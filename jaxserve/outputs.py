@@ -34,6 +34,8 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    spec_num_draft_tokens: int = 0  # speculative drafts verified for this request
+    spec_num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import Bucket, StepInputs
+from jaxserve.batch import Bucket, StepInputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import KVCache, init_kv_cache, kv_cache_bytes
 from jaxserve.model.llama import Weights, compute_logits, forward
@@ -51,17 +51,18 @@ def prompt_logprobs(logits: jax.Array, targets: jax.Array, max_logprobs: int) ->
 
 
 def _pack_sampled(s: SamplerOutput) -> jax.Array:
-    """-> i32[S, 2 + 2k]: token, rank, top ids (k), then bit-cast floats: logprob, top logprobs (k)."""
-    return pack_outputs([s.token_ids, s.ranks, s.top_ids], [s.logprobs, s.top_logprobs])
+    """-> i32[R, 3 + 2k]: token, rank, accepted, top ids (k), then bit-cast floats: logprob, top logprobs (k)."""
+    return pack_outputs([s.token_ids, s.ranks, s.accepted.astype(jnp.int32), s.top_ids], [s.logprobs, s.top_logprobs])
 
 
 def unpack_sampled(a: np.ndarray, k: int) -> dict[str, np.ndarray]:
     return dict(
         token_ids=a[:, 0],
         ranks=a[:, 1],
-        top_ids=a[:, 2 : 2 + k],
-        logprobs=as_float(a[:, 2 + k]),
-        top_logprobs=as_float(a[:, 3 + k : 3 + 2 * k]),
+        accepted=a[:, 2].astype(bool),
+        top_ids=a[:, 3 : 3 + k],
+        logprobs=as_float(a[:, 3 + k]),
+        top_logprobs=as_float(a[:, 4 + k : 4 + 2 * k]),
     )
 
 
@@ -86,11 +87,12 @@ def step_fn(
     inputs = StepInputs(**{k: a[k] for k in _STEP_FIELDS})
     sampling = SamplingInputs(**{k: a[k] for k in _SAMPLING_FIELDS})
     h, kv, _ = forward(model_cfg, weights, kv, inputs)
+    draft_ids = a.get("draft_ids")  # i32[R] speculative verify rows (engines with speculation only)
     if "prompt_targets" not in a:
         logits = compute_logits(weights, h[inputs.logits_indices])
-        return (_pack_sampled(sample(logits, sampling, max_logprobs=max_logprobs)), None), kv
+        return (_pack_sampled(sample(logits, sampling, max_logprobs=max_logprobs, draft_ids=draft_ids)), None), kv
     all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
-    sampled = sample(all_logits[inputs.logits_indices], sampling, max_logprobs=max_logprobs)
+    sampled = sample(all_logits[inputs.logits_indices], sampling, max_logprobs=max_logprobs, draft_ids=draft_ids)
     return (_pack_sampled(sampled), prompt_logprobs(all_logits, a["prompt_targets"], max_logprobs)), kv
 
 
@@ -125,7 +127,7 @@ class ModelRunner:
     def all_buckets(self) -> list[Bucket]:
         cfg = self.engine_cfg
         return [
-            Bucket(num_tokens=t, num_seqs=min(t, cfg.max_num_seqs), max_pages=p)
+            choose_bucket(t, p, cfg.token_buckets, cfg.page_buckets, cfg.max_num_seqs, 1 + cfg.num_speculative_tokens)
             for t in cfg.token_buckets
             for p in cfg.page_buckets
         ]
@@ -134,7 +136,7 @@ class ModelRunner:
         """Where every step input lives in the packed buffers, for bucket `b`."""
         key = (b, prompt_logprobs)
         if key not in self._layouts:
-            T, S, P = b.num_tokens, b.num_seqs, b.max_pages
+            T, S, P, R = b.num_tokens, b.num_seqs, b.max_pages, b.rows
             specs = dict(
                 token_ids=((T,), "int32"),
                 positions=((T,), "int32"),
@@ -143,10 +145,12 @@ class ModelRunner:
                 seq_lens=((S,), "int32"),
                 cu_q_lens=((S + 1,), "int32"),
                 num_seqs=((), "int32"),
-                logits_indices=((S,), "int32"),
+                logits_indices=((R,), "int32"),
             )
-            sampling = SamplingInputs.host_arrays(S, P * self.engine_cfg.page_size)
+            sampling = SamplingInputs.host_arrays(R, P * self.engine_cfg.page_size)
             specs |= {k: (v.shape, v.dtype.name) for k, v in sampling.items()}
+            if self.engine_cfg.speculative_config is not None:
+                specs["draft_ids"] = ((R,), "int32")
             if prompt_logprobs:
                 specs["prompt_targets"] = ((T,), "int32")
             self._layouts[key] = Layout.of(specs)

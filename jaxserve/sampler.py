@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.layers import argmax
+from jaxserve.spec_decode.rejection import verify_one_hot
+
 MAX_BANNED = 16  # EOS + stop_token_ids suppressed under min_tokens, per row
 
 
@@ -66,6 +69,7 @@ class SamplerOutput:
     ranks: jax.Array  # i32[S]      its rank under the raw distribution (1 = most likely)
     top_ids: jax.Array  # i32[S, max_logprobs]
     top_logprobs: jax.Array  # f32[S, max_logprobs]
+    accepted: jax.Array  # bool[S]   the row's draft token was accepted (speculative verify rows; else False)
 
 
 def apply_penalties(logits: jax.Array, s: SamplingInputs) -> jax.Array:
@@ -102,18 +106,15 @@ def _identity(x: jax.Array, _: SamplingInputs) -> jax.Array:
     return x
 
 
-def argmax(x: jax.Array) -> jax.Array:
-    """First index of the maximum along the last axis: f32[S, V] -> i32[S].
+def sample(
+    logits: jax.Array, s: SamplingInputs, *, max_logprobs: int, draft_ids: jax.Array | None = None
+) -> SamplerOutput:
+    """logits: f32[S, V] -> SamplerOutput.
 
-    Same result as jnp.argmax, ~4x faster on XLA:CPU, whose variadic (value, index) reduction is slow.
+    With `draft_ids` (i32[S], -1 = none), each row is a speculative verify position: its draft token is accepted
+    or rejected by lossless rejection sampling (`spec_decode/rejection.py`), and the row's token is the draft if
+    accepted, else the token to emit if the sequence's walk stops at this row.
     """
-    V = x.shape[-1]
-    is_max = x == jnp.max(x, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
-
-
-def sample(logits: jax.Array, s: SamplingInputs, *, max_logprobs: int) -> SamplerOutput:
-    """logits: f32[S, V] -> SamplerOutput."""
     S, V = logits.shape
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
@@ -133,14 +134,28 @@ def sample(logits: jax.Array, s: SamplingInputs, *, max_logprobs: int) -> Sample
     def gumbel_row(seed):
         return jax.random.gumbel(jax.random.key(seed), (V,), jnp.float32)
 
-    def draw(scaled, seeds):
-        return argmax(scaled + jax.vmap(gumbel_row)(seeds))
+    if draft_ids is None:
 
-    def no_draw(scaled, seeds):
-        return jnp.zeros((S,), jnp.int32)
+        def draw(scaled, seeds):
+            return argmax(scaled + jax.vmap(gumbel_row)(seeds))
 
-    drawn = jax.lax.cond(jnp.any(is_random), draw, no_draw, scaled, s.seeds)
-    token_ids = jnp.where(is_random, drawn, greedy)
+        def no_draw(scaled, seeds):
+            return jnp.zeros((S,), jnp.int32)
+
+        drawn = jax.lax.cond(jnp.any(is_random), draw, no_draw, scaled, s.seeds)
+        token_ids = jnp.where(is_random, drawn, greedy)
+        accepted = jnp.zeros((S,), jnp.bool_)
+    else:
+
+        def verify(scaled, seeds):
+            uniform = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(seeds)
+            return verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, jax.vmap(gumbel_row)(seeds))
+
+        def verify_greedy(scaled, seeds):
+            return greedy, (draft_ids >= 0) & (greedy == draft_ids)
+
+        token, accepted = jax.lax.cond(jnp.any(is_random), verify, verify_greedy, scaled, s.seeds)
+        token_ids = jnp.where(accepted, draft_ids, token)
 
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)
 
@@ -154,5 +169,10 @@ def sample(logits: jax.Array, s: SamplingInputs, *, max_logprobs: int) -> Sample
 
     ranks, top_ids, top_logprobs = jax.lax.cond(jnp.any(s.wants_logprobs), ranked, unranked, raw, chosen)
     return SamplerOutput(
-        token_ids=token_ids, logprobs=chosen[:, 0], ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs
+        token_ids=token_ids,
+        logprobs=chosen[:, 0],
+        ranks=ranks,
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+        accepted=accepted,
     )

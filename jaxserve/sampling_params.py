@@ -29,6 +29,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k log-probabilities per prompt token (the first has none)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    num_speculative_tokens: int | None = None  # cap on draft tokens per step for this request (0 = no speculation;
+    # None = the engine's choice). A jaxserve extension: vLLM sets speculation per engine only.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
@@ -63,6 +65,11 @@ class SamplingParams:
             v = getattr(self, name)
             check(v is None or (isinstance(v, int) and v >= 0), f"{name} must be an integer >= 0 (got {v!r})")
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer (got {self.seed!r})")
+        check(
+            self.num_speculative_tokens is None
+            or (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0),
+            f"num_speculative_tokens must be None or an integer >= 0 (got {self.num_speculative_tokens!r})",
+        )
         if self.top_k == -1:
             self.top_k = 0
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

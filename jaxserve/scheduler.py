@@ -14,6 +14,11 @@ Each step has a token budget (`max_num_batched_tokens`) and a seat limit (`max_n
   3. Waiting sequences, best rank first, while seats, budget and pages last. Cached prefix pages are attached
      first, so only the uncached rest of a prompt costs budget. Nobody jumps a waiting sequence that doesn't fit.
 Preemption is by recompute: pages are released (full ones stay in the prefix cache), the tokens are kept.
+
+Speculative decoding: a decoding sequence may carry draft tokens (`seq.spec_token_ids`, set by the engine's
+proposer before `schedule`). Its step then computes 1 + K tokens (its last token and the K drafts, verified in the
+same ragged batch as everything else), K cut to fit the budget, and pages are reserved for all of them; the engine
+rolls back the rejected ones.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from jaxserve.sequence import Sequence, SequenceStatus
 @dataclass(frozen=True)
 class ScheduledWork:
     seq: Sequence
-    num_tokens: int  # new tokens computed this step, starting at seq.num_computed_tokens
+    num_tokens: int  # new tokens computed this step, starting at seq.num_computed_tokens (drafts included)
+    num_draft: int = 0  # of which speculative drafts (the sequence's first num_draft spec_token_ids)
 
     @property
     def completes_sequence(self) -> bool:
         """True if after this step every token of the sequence is computed, so a new token gets sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - self.num_draft == self.seq.num_tokens
 
 
 class Scheduler:
@@ -72,11 +78,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, n, scheduled):
+            drafts = min(len(seq.spec_token_ids), budget - 1) if seq.num_uncomputed_tokens == 1 else 0
+            if not self._reserve(seq, n + drafts, scheduled):
                 continue  # `seq` itself was preempted; running[i] is now the next one
-            work.append(ScheduledWork(seq, n))
+            work.append(ScheduledWork(seq, n + drafts, drafts))
             scheduled.add(seq.seq_id)
-            budget -= n
+            budget -= n + drafts
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:

@@ -39,6 +39,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
+    spec_num_verified: int = 0  # draft tokens verified so far (speculative decoding metrics)
+    spec_num_accepted: int = 0  # of which accepted
 
     @property
     def token_ids(self) -> list[int]:

@@ -60,3 +60,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP. x: f[T, D], w_gate/w_up: f[D, F], w_down: f[F, D] -> f[T, D]."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """First index of the maximum along the last axis: f32[S, V] -> i32[S].
+
+    Same result as jnp.argmax, ~4x faster on XLA:CPU, whose variadic (value, index) reduction is slow.
+    """
+    V = x.shape[-1]
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)

@@ -1,0 +1,112 @@
+"""Speculative decoding inside continuous batching.
+
+Per step, for every decoding sequence the engine asks the proposer for up to K draft tokens; the scheduler places
+the sequence's last token plus its drafts in the same ragged batch as other requests' prefill chunks and plain
+decodes; the sampler verifies every draft position by lossless rejection sampling (`rejection.py`); the engine
+appends the accepted drafts plus one more token and rolls back the rest (KV slots past the accepted prefix are
+simply overwritten later; pages past the sequence's end are freed).
+
+`SpecController` chooses K for each step (and each request may cap it, 0 = no speculation): it keeps the measured
+cost of each step size and the measured acceptance rate per draft position, and picks the K that maximises
+expected tokens per second, `(1 + sum_i prod_{j<=i} a_j) / cost(tokens with K drafts each)`. K = 0 is always a
+candidate, so with honest measurements speculation never makes a loaded server slower than no speculation.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.spec_decode.ngram import NgramProposer
+
+__all__ = ["NgramProposer", "SpecController", "SpecMetrics", "make_proposer"]
+
+
+def make_proposer(cfg: SpeculativeConfig):
+    if cfg.method == "ngram":
+        return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    raise ValueError(f"unknown speculative method {cfg.method!r}")
+
+
+class SpecMetrics:
+    """Acceptance per draft position, aggregated over all requests."""
+
+    def __init__(self, k: int):
+        self.num_drafts = [0] * k  # drafts verified at position i (0-based)
+        self.num_accepted = [0] * k  # of which accepted
+        self.num_steps = 0  # sequence-steps that verified at least one draft
+        self.num_emitted = 0  # tokens emitted by those sequence-steps (accepted + 1)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        for i in range(num_draft):
+            self.num_drafts[i] += 1
+            self.num_accepted[i] += i < num_accepted
+        self.num_steps += 1
+        self.num_emitted += num_accepted + 1
+
+    def acceptance_rates(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.num_accepted, self.num_drafts)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        d = sum(self.num_drafts)
+        return sum(self.num_accepted) / d if d else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verifying sequence-step (1 = nothing accepted)."""
+        return self.num_emitted / self.num_steps if self.num_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(
+            acceptance_rate=self.acceptance_rate,
+            acceptance_rate_per_position=self.acceptance_rates(),
+            mean_acceptance_length=self.mean_acceptance_length,
+            num_draft_tokens=sum(self.num_drafts),
+            num_accepted_tokens=sum(self.num_accepted),
+        )
+
+
+class SpecController:
+    """Chooses K per step from measured step costs and acceptance (see the module docstring)."""
+
+    def __init__(self, cfg: SpeculativeConfig, token_buckets: tuple[int, ...], ema: float = 0.2):
+        self.k_max = cfg.num_speculative_tokens
+        self.adaptive = cfg.adaptive
+        self.buckets = token_buckets
+        self.ema = ema
+        self.cost: dict[int, float] = {}  # token bucket -> EMA seconds per step
+        self.metrics = SpecMetrics(self.k_max)
+
+    def _bucket(self, n: int) -> int:
+        i = bisect.bisect_left(self.buckets, n)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        b = self._bucket(num_tokens)
+        old = self.cost.get(b)
+        self.cost[b] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+    def _cost(self, num_tokens: int) -> float | None:
+        return self.cost.get(self._bucket(num_tokens))
+
+    def choose_k(self, base_tokens: int, num_decodes: int) -> int:
+        """K for this step, given `base_tokens` scheduled without drafts of which `num_decodes` could speculate."""
+        if not self.adaptive or num_decodes == 0:
+            return self.k_max
+        rates = self.metrics.acceptance_rates()
+        best_k, best = 0, None
+        expected = 1.0  # tokens per decode with k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j
+        survive = 1.0
+        for k in range(self.k_max + 1):
+            if k:
+                # unmeasured position: optimistic prior, so every K gets tried and then measured
+                survive *= rates[k - 1] if self.metrics.num_drafts[k - 1] >= 20 else 1.0
+                expected += survive
+            cost = self._cost(base_tokens + num_decodes * k)
+            if cost is None:
+                return k  # never measured: try it (explores each step size once)
+            value = expected / cost
+            if best is None or value > best:
+                best_k, best = k, value
+        return best_k

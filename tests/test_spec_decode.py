@@ -1,0 +1,315 @@
+"""Speculative decoding: the rejection sampler reproduces the target distribution exactly (chi-square tests that
+also catch deliberately broken samplers), the n-gram proposer, and the engine: greedy output with speculation
+equals greedy output without it, under preemption, with mixed K per request, stop strings, n > 1 and aborts,
+with every page returned."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import SpeculativeConfig
+from jaxserve.sampler import SamplingInputs, sample
+from jaxserve.spec_decode import NgramProposer, SpecController
+from jaxserve.spec_decode.rejection import NO_DRAFT, accepted_length, rejection_sample
+from tiny_models import make_tiny_model
+
+ALPHA = 1e-3  # chi-square significance: a correct sampler fails one test in a thousand
+N = 40_000  # samples per distribution test
+
+
+def chi_square_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=len(probs))
+    support = probs > 0
+    assert counts[~support].sum() == 0, f"sampled a token of probability 0: {counts}"
+    return stats.chisquare(counts[support], probs[support] / probs[support].sum() * len(samples)).pvalue
+
+
+def _draws(fn, n=N, seed=0):
+    keys = jax.random.split(jax.random.key(seed), n)
+    return np.asarray(jax.jit(jax.vmap(fn))(keys))
+
+
+# ---- the maths: rejection sampling against a probabilistic draft ------------------------------------------------
+
+P = np.array([0.35, 0.25, 0.2, 0.1, 0.06, 0.04, 0.0, 0.0])
+Q = np.array([0.05, 0.1, 0.2, 0.3, 0.05, 0.0, 0.3, 0.0])  # disagrees with P; proposes some tokens P never emits
+
+
+def _speculate(key, p, q, verify):
+    """One verify position: draw d ~ q, then emit the verified token."""
+    kd, ku, kg = jax.random.split(key, 3)
+    d = jax.random.categorical(kd, jnp.log(q))
+    token, accepted = verify(p[None], q[None], d[None], jax.random.uniform(ku, (1,)), jax.random.gumbel(kg, (1, len(p))))
+    return jnp.where(accepted[0], d, token[0])
+
+
+def test_rejection_sample_reproduces_target():
+    p, q = jnp.asarray(P, jnp.float32), jnp.asarray(Q, jnp.float32)
+    out = _draws(lambda k: _speculate(k, p, q, rejection_sample))
+    assert chi_square_pvalue(out, P) > ALPHA
+
+
+def _no_residual(p, q, d, u, g):  # broken: on rejection, resample from p itself
+    token, accepted = rejection_sample(p, q, d, u, g)
+    return jnp.argmax(jnp.log(p) + g, -1), accepted
+
+
+def _unnormalised_accept(p, q, d, u, g):  # broken: accept with probability p(d) instead of min(1, p/q)
+    token, _ = rejection_sample(p, q, d, u, g)
+    return token, u < jnp.take_along_axis(p, d[:, None], -1)[:, 0]
+
+
+@pytest.mark.parametrize("broken", [_no_residual, _unnormalised_accept])
+def test_chi_square_catches_broken_samplers(broken):
+    p, q = jnp.asarray(P, jnp.float32), jnp.asarray(Q, jnp.float32)
+    out = _draws(lambda k: _speculate(k, p, q, broken))
+    probs = P
+    counts = np.bincount(out, minlength=len(P))
+    if counts[P == 0].sum():  # emitting an impossible token is already proof
+        return
+    assert chi_square_pvalue(out, probs) < 1e-6
+
+
+def test_identical_draft_always_accepted():
+    p = jnp.asarray(P, jnp.float32)
+    keys = jax.random.split(jax.random.key(1), 2000)
+
+    def one(key):
+        kd, ku, kg = jax.random.split(key, 3)
+        d = jax.random.categorical(kd, jnp.log(p))
+        return rejection_sample(p[None], p[None], d[None], jax.random.uniform(ku, (1,)), jax.random.gumbel(kg, (1, 8)))[1][0]
+
+    assert np.asarray(jax.vmap(one)(keys)).all()
+
+
+# ---- the sampler's verify path: one-hot drafts with every sampling parameter ---------------------------------------
+
+V = 12
+LOGITS = np.linspace(2.0, -1.5, V).astype(np.float32) + np.random.default_rng(0).normal(0, 0.3, V).astype(np.float32)
+
+
+def _target_probs(temperature, top_k=0, top_p=1.0, min_p=0.0):
+    x = LOGITS.astype(np.float64) / temperature
+    order = np.argsort(-x)
+    p = np.exp(x[order] - x[order].max())
+    p /= p.sum()
+    keep = np.arange(V) < (top_k or V)
+    keep &= (np.cumsum(p) - p) < top_p
+    keep &= p >= min_p * p[0]
+    keep[0] = True
+    out = np.zeros(V)
+    out[order[keep]] = p[keep]
+    return out / out.sum()
+
+
+def _verify_rows(n, draft, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    h = SamplingInputs.host_arrays(n, 4)
+    h["temperature"][:] = temperature
+    h["top_k"][:] = top_k
+    h["top_p"][:] = top_p
+    h["min_p"][:] = min_p
+    h["seeds"][:] = np.random.default_rng(7).integers(0, 2**32, n, dtype=np.uint32)
+    s = SamplingInputs(**{k: jnp.asarray(v) for k, v in h.items()})
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (n, V))
+    out = jax.jit(lambda lg, s, d: sample(lg, s, max_logprobs=2, draft_ids=d))(logits, s, jnp.full((n,), draft, jnp.int32))
+    return np.asarray(out.token_ids), np.asarray(out.accepted)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8), dict(temperature=1.0, min_p=0.15)],
+)
+@pytest.mark.parametrize("draft", [0, 3, V - 1])  # likely, middle, and (often) truncated-away draft tokens
+def test_one_hot_verify_reproduces_sampling_distribution(settings, draft):
+    tokens, accepted = _verify_rows(N, draft, **settings)
+    p = _target_probs(**settings)
+    assert chi_square_pvalue(tokens, p) > ALPHA
+    assert np.all(accepted == (tokens == draft) if p[draft] > 0 else ~accepted)
+    assert abs(accepted.mean() - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / N) + 1e-9
+
+
+def test_greedy_verify_accepts_only_the_argmax():
+    best = int(np.argmax(LOGITS))
+    for draft in (best, (best + 1) % V):
+        tokens, accepted = _verify_rows(64, draft, temperature=0.0)
+        assert (tokens == best).all()
+        assert accepted.all() == (draft == best) and accepted.any() == (draft == best)
+
+
+def test_no_draft_rows_sample_like_plain_decoding():
+    h = SamplingInputs.host_arrays(16, 4)
+    h["temperature"][:] = 0.9
+    h["seeds"][:] = np.arange(16, dtype=np.uint32) * 7919
+    s = SamplingInputs(**{k: jnp.asarray(v) for k, v in h.items()})
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (16, V))
+    plain = sample(logits, s, max_logprobs=0)
+    verify = sample(logits, s, max_logprobs=0, draft_ids=jnp.full((16,), NO_DRAFT, jnp.int32))
+    np.testing.assert_array_equal(plain.token_ids, verify.token_ids)
+    assert not np.asarray(verify.accepted).any()
+
+
+def test_accepted_length():
+    assert accepted_length([]) == 0
+    assert accepted_length([True, True, False, True]) == 2
+    assert accepted_length([True, True]) == 2
+
+
+# ---- proposer and controller -------------------------------------------------------------------------------------
+
+
+def test_ngram_proposer():
+    prop = NgramProposer(min_n=1, max_n=3)
+    assert prop.propose([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]  # "1 2 3" seen before, followed by 4 1 2
+    assert prop.propose([5, 6, 7, 5, 6, 9, 5, 6], 2) == [9, 5]  # the most recent occurrence of "5 6" wins
+    assert prop.propose([1, 2, 3], 4) == []  # no repeat, no guess
+    assert prop.propose([1, 2, 1], 5) == [2, 1]  # runs out of history: fewer than k
+    assert prop.propose([1, 1], 0) == []
+    assert NgramProposer(min_n=2, max_n=2).propose([7, 8, 9, 8], 2) == []  # only 1-gram matches exist
+
+
+def test_controller_backs_off_when_speculation_does_not_pay():
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    c = SpecController(cfg, token_buckets=(1, 2, 4, 8, 16, 32, 64))
+    seen = []
+    for _ in range(200):
+        k = c.choose_k(base_tokens=16, num_decodes=16)
+        seen.append(k)
+        c.record_step(16 + 16 * k, 0.01 * (1 + k))  # cost grows linearly with tokens ...
+        c.metrics.record(k, 0) if k else None  # ... and nothing is ever accepted
+    assert set(seen[:4]) == {0, 1, 2, 3}  # each K is tried once
+    assert seen[-50:] == [0] * 50
+
+    c2 = SpecController(cfg, token_buckets=(1, 2, 4, 8, 16, 32, 64))
+    for _ in range(200):
+        k = c2.choose_k(base_tokens=2, num_decodes=2)
+        c2.record_step(2 + 2 * k, 0.01)  # verify is free (memory-bound decode) ...
+        c2.metrics.record(k, k) if k else None  # ... and everything is accepted
+    assert c2.choose_k(2, 2) == 3
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------------
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_spec")
+    make_tiny_model("llama_gqa", str(path))
+    return str(path)
+
+
+def _engine_args(**kw):
+    return dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=128, precompile=False) | kw
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    return LLM(tiny, **_engine_args())
+
+
+@pytest.fixture(scope="module")
+def spec(tiny):
+    return LLM(tiny, **_engine_args(speculative_config=SPEC))
+
+
+def _repetitive_prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        motif = rng.integers(3, 300, int(rng.integers(2, 6))).tolist()
+        out.append((motif * 8)[: int(rng.integers(6, 30))] + rng.integers(3, 300, 2).tolist())
+    return out
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _ids(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_greedy_with_ngram_equals_plain(plain, spec):
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(8)]
+    outs = spec.generate(prompts, GREEDY, use_tqdm=False)
+    assert _ids(outs) == _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+    m = spec.llm_engine.spec.metrics
+    assert sum(m.num_drafts) > 20 and sum(m.num_accepted) > 0, m.as_dict()  # speculation really happened
+    assert sum(o.metrics.spec_num_draft_tokens for o in outs) == sum(m.num_drafts)
+    assert sum(o.metrics.spec_num_accepted_tokens for o in outs) == sum(m.num_accepted)
+    assert 1.0 < m.mean_acceptance_length <= 1 + SPEC["num_speculative_tokens"]
+    spec.llm_engine.block_manager.check()
+    assert spec.llm_engine.block_manager.num_used_pages == 0
+
+
+def test_mixed_k_per_request_and_opt_out(plain, spec):
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(6, seed=3)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, num_speculative_tokens=k) for k in (0, 1, 2, 3, None, 0)
+    ]
+    before = spec.llm_engine.spec.metrics.num_steps
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert _ids(outs) == _ids(plain.generate(prompts, params, use_tqdm=False))
+    assert spec.llm_engine.spec.metrics.num_steps > before
+    assert spec.llm_engine.block_manager.num_used_pages == 0
+
+
+def test_stop_strings_n_and_logprobs_with_speculation(plain, spec):
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(4, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=16, n=2, logprobs=2, stop_token_ids=[7], ignore_eos=True)
+    a, b = spec.generate(prompts, params, use_tqdm=False), plain.generate(prompts, params, use_tqdm=False)
+    assert _ids(a) == _ids(b)
+    for x, y in zip(a, b):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert cx.finish_reason == cy.finish_reason
+            assert len(cx.logprobs) == len(cx.token_ids)
+            for lx, ly, t in zip(cx.logprobs, cy.logprobs, cx.token_ids):
+                assert abs(lx[t].logprob - ly[t].logprob) < 1e-4
+
+
+def test_greedy_with_speculation_under_preemption(tiny, plain):
+    squeezed = LLM(tiny, **_engine_args(num_pages=24, max_model_len=64, speculative_config=SPEC))
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(6, seed=9)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert _ids(squeezed.generate(prompts, params, use_tqdm=False)) == _ids(plain.generate(prompts, params, use_tqdm=False))
+    eng = squeezed.llm_engine
+    assert eng.scheduler.num_preemptions > 0
+    assert sum(eng.spec.metrics.num_drafts) > 0
+    eng.block_manager.check()
+    assert eng.block_manager.num_used_pages == 0
+
+
+def test_aborts_during_verification_leak_nothing(spec):
+    eng = spec.llm_engine
+    prompts = _repetitive_prompts(10, seed=11)
+    rng = np.random.default_rng(0)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"ab-{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True))
+    live = {f"ab-{i}" for i in range(len(prompts))}
+    steps = 0
+    while eng.has_unfinished_requests():
+        drafting = [s.request_id for s in eng.scheduler.running if s.spec_token_ids]
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+        steps += 1
+        if steps % 3 == 0 and live:  # abort a request that just verified drafts, when there is one
+            victim = next((r for r in drafting if r in live), sorted(live)[0])
+            assert eng.abort_request(victim).finished
+            live.discard(victim)
+        eng.block_manager.check()
+    assert eng.block_manager.num_used_pages == 0 and not eng.scheduler.running and not eng.scheduler.waiting
+
+
+def test_bad_speculative_config():
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown key"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "draft": 1})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
