@@ -32,7 +32,9 @@ LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engines", nargs="+", default=["jaxserve", "llamacpp", "vllm"],
                     help="servers to start (jaxserve, llamacpp, vllm); missing ones are skipped")
-    ap.add_argument("--url", help="benchmark this running server instead of starting any")
+    ap.add_argument("--url", help="benchmark this running server instead of starting any (grpc: host:port)")
+    ap.add_argument("--protocol", choices=["http", "grpc"], default="http",
+                    help="http: OpenAI /v1/completions SSE (every engine); grpc: jaxserve.v1 Generate (jaxserve only)")
     ap.add_argument("--model-name", default="smollm2", help="model name sent with --url")
     ap.add_argument("--extra", default='{"ignore_eos": true}', help="JSON merged into each request with --url")
     ap.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, math.inf], help="requests/s; inf = all at once")
@@ -78,7 +80,7 @@ def make_requests(args) -> list[LoadRequest]:
 async def measure(targets: dict, requests: list[LoadRequest], args) -> dict:
     """{engine: {rate: [metrics per round]}}, visiting engines interleaved within each rate."""
     out = {name: {str(r): [] for r in args.rates} for name in targets}
-    clients = {name: OpenAICompletionsClient(t["url"], t["model"], extra=t["extra"]) for name, t in targets.items()}
+    clients = {name: make_client(t, args) for name, t in targets.items()}
     for c in clients.values():
         await c.__aenter__()
     try:
@@ -98,6 +100,15 @@ async def measure(targets: dict, requests: list[LoadRequest], args) -> dict:
         for c in clients.values():
             await c.__aexit__(None, None, None)
     return out
+
+
+def make_client(target: dict, args):
+    """The protocol's client for one target: OpenAI HTTP streaming, or jaxserve.v1 gRPC streaming."""
+    if getattr(args, "protocol", "http") == "grpc":
+        from bench.grpc_client import JaxserveGrpcClient
+
+        return JaxserveGrpcClient(target["grpc"], ignore_eos=bool(target["extra"].get("ignore_eos", True)))
+    return OpenAICompletionsClient(target["url"], target["model"], extra=target["extra"])
 
 
 def medians(rounds: list[dict]) -> dict:
@@ -120,8 +131,9 @@ def report(record: dict) -> str:
                          f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
                          f"{p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f}", f"{i['p50']:.1f} / {i['p99']:.1f}",
                          f"{m['goodput']:.2f}", f"{100 * m['slo_attainment']:.0f}%", int(m["failed"])])
+    proto = "jaxserve.v1 gRPC `Generate`" if a.get("protocol") == "grpc" else "OpenAI `/v1/completions`"
     md = [f"# Serving latency under Poisson load ({a['dataset']}, {a['num_prompts']} requests per rate)", "",
-          f"OpenAI `/v1/completions` streaming; greedy, EOS ignored, max_tokens = the reference reply length capped "
+          f"{proto} streaming; greedy, EOS ignored, max_tokens = the reference reply length capped "
           f"at {a['max_output_len']}; server batch {a['max_num_seqs']}. SLO: TTFT <= {a['slo_ttft_ms']:g} ms and "
           f"TPOT <= {a['slo_tpot_ms']:g} ms. Median of {a['rounds']} interleaved round(s).", "",
           md_table(header, rows), ""]
@@ -153,10 +165,14 @@ def run(args) -> dict:
 
     targets, notes, started = {}, {}, []
     if args.url:
-        targets["server"] = dict(url=args.url, model=args.model_name, extra=json.loads(args.extra))
+        targets["server"] = dict(url=args.url, grpc=args.url, model=args.model_name, extra=json.loads(args.extra))
         notes["server"] = f"running server at {args.url}"
     else:
         for name in args.engines:
+            if args.protocol == "grpc" and name != "jaxserve":
+                notes[name] = "skipped: only jaxserve serves jaxserve.v1 gRPC"
+                print(f"[serve] {name} {notes[name]}", flush=True)
+                continue
             srv, note = servers.start(name, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                       log_dir=args.out, timeout_s=args.server_timeout,
                                       jaxserve_args=shlex.split(args.jaxserve_args))
@@ -165,7 +181,7 @@ def run(args) -> dict:
                 notes[name] = f"skipped: {note.splitlines()[0]}"
                 continue
             started.append(srv)
-            targets[name] = dict(url=srv.url, model=srv.model, extra=srv.extra)
+            targets[name] = dict(url=srv.url, grpc=srv.grpc_target, model=srv.model, extra=srv.extra)
             notes[name] = note or "started"
     try:
         if not targets:

@@ -27,6 +27,7 @@ class Server:
     extra: dict = field(default_factory=dict)  # request fields this server needs (see OpenAICompletionsClient)
     proc: subprocess.Popen | None = None
     note: str = ""
+    grpc_target: str | None = None  # host:port of jaxserve.v1 gRPC, when served
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -82,11 +83,13 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if name == "jaxserve":
-        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--http-port", str(port), "--grpc-port", "-1",
+        grpc_port = free_port()
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--http-port", str(port), "--grpc-port", str(grpc_port),
                "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                "--served-model-name", "smollm2", *jaxserve_args]
         proc, why = _launch(name, cmd, {}, log_dir, url + "/health", timeout_s)
-        return (Server(name, url, "smollm2", {"ignore_eos": True}, proc), "") if proc else (None, why)
+        srv = Server(name, url, "smollm2", {"ignore_eos": True}, proc, grpc_target=f"127.0.0.1:{grpc_port}")
+        return (srv, "") if proc else (None, why)
     if name == "llamacpp":
         gguf, why = peers.llamacpp_gguf()
         if gguf is None:

@@ -227,3 +227,45 @@ def _machine():
     from bench.common import machine_info
 
     return machine_info()
+
+
+def test_grpc_client_against_a_mock_generation_service():
+    """The jaxserve.v1 gRPC client counts streamed token ids exactly and reports RPC errors by status."""
+    grpc = pytest.importorskip("grpc")
+    from bench.grpc_client import JaxserveGrpcClient
+    from service.proto import jaxserve_v1_pb2 as pb
+    from service.proto import jaxserve_v1_pb2_grpc as pbg
+
+    seen = []
+
+    class Generation(pbg.GenerationServicer):
+        async def Generate(self, request, context):
+            seen.append(request)
+            if request.text == "fail":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens too large")
+            n = request.sampling_params.max_tokens
+            for i in range(0, n, 2):  # two tokens per response, as a step with a speculative hit would send
+                ids = list(range(i, min(i + 2, n)))
+                yield pb.GenerateResponse(outputs=[pb.CompletionDelta(text="x" * len(ids), token_ids=ids)])
+            yield pb.GenerateResponse(finished=True, usage=pb.Usage(completion_tokens=n))
+
+    async def go():
+        server = grpc.aio.server()
+        pbg.add_GenerationServicer_to_server(Generation(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with JaxserveGrpcClient(f"127.0.0.1:{port}") as c:
+                mixed = [LoadRequest("hi", 2, 5), LoadRequest([1, 2, 3], 3, 4), LoadRequest("fail", 1, 4)]
+                return await run_load(c, mixed, math.inf)
+        finally:
+            await server.stop(None)
+
+    results, wall = asyncio.run(go())
+    assert [r.ok for r in results] == [True, True, False]
+    assert [r.output_len for r in results[:2]] == [5, 4] and [len(r.itl) for r in results[:2]] == [2, 1]
+    assert results[2].error == "gRPC INVALID_ARGUMENT: max_tokens too large"
+    by_prompt = {r.WhichOneof("prompt"): r for r in seen}
+    assert list(by_prompt["token_ids"].token_ids.ids) == [1, 2, 3]
+    assert by_prompt["text"].sampling_params.ignore_eos and by_prompt["text"].sampling_params.temperature == 0.0
+    assert metrics(results, wall)["errors"] == {"gRPC INVALID_ARGUMENT": 1}
