@@ -84,7 +84,7 @@ def _compile_all() -> list[dict]:
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()))
 
-    results = []
+    results = [_oversized_control(spec)]
     for c in configs():
         T, S, max_pages = SHAPES[c["mode"]]
         max_pages = max_pages * 16 // c["page_size"]
@@ -128,6 +128,29 @@ def _plugin_in_main_env() -> bool:
         return False
 
 
+def _oversized_control(spec) -> dict:
+    """A deliberately oversized tiling (256 rows x 1024 f32 keys of head dim 128): the compile must refuse it,
+    proving that this harness catches what only the GPU compiler sees (shared memory / registers)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention.kernel import BlockSizes, ragged_paged_attention_kernel
+
+    T, S, N, K, H, page_size, max_pages = 512, 2, 32, 8, 128, 16, 128
+    num_pages = S * max_pages + 1
+    args = [spec((T, N, H), jnp.float32), spec((num_pages, page_size, K, H), jnp.float32),
+            spec((num_pages, page_size, K, H), jnp.float32), spec((S, max_pages), jnp.int32),
+            spec((S,), jnp.int32), spec((S + 1,), jnp.int32), spec((), jnp.int32)]
+    block_sizes = BlockSizes(block_q=64, chunk_pages=64, num_stages=4)
+    try:
+        jax.jit(lambda *a: ragged_paged_attention_kernel(*a, sm_scale=0.1, block_sizes=block_sizes)).lower(
+            *args).compile()
+        return dict(id="oversized-control", ok=True, error="", seconds=0.0, block_sizes=str(block_sizes))
+    except Exception as e:  # noqa: BLE001
+        return dict(id="oversized-control", ok=False, error=f"{type(e).__name__}: {e}"[:3000], seconds=0.0,
+                    block_sizes=str(block_sizes))
+
+
 @pytest.fixture(scope="module")
 def compile_results() -> dict[str, dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -151,6 +174,12 @@ def compile_results() -> dict[str, dict]:
 def test_kernel_compiles_for_sm90(config, compile_results):
     result = compile_results[config_id(config)]
     assert result["ok"], f"{result['id']} ({result['block_sizes']}) did not compile for sm_90:\n{result['error']}"
+
+
+def test_oversized_tiling_fails_to_compile(compile_results):
+    result = compile_results["oversized-control"]
+    assert not result["ok"], "an oversized tiling compiled: the sm_90 check would not catch resource errors"
+    assert "shared memory" in result["error"].lower() or "resource" in result["error"].lower(), result["error"]
 
 
 if __name__ == "__main__":
