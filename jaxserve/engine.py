@@ -103,7 +103,9 @@ class LLMEngine:
         self.spec: SpecController | None = None
         if engine_config.speculative_config is not None:
             self.spec = SpecController(engine_config.speculative_config, engine_config.token_buckets)
-            self.proposer = make_proposer(engine_config.speculative_config)
+            self.proposer = make_proposer(engine_config.speculative_config, engine_config, self.model_config)
+            if engine_config.precompile:
+                self.proposer.warmup()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(engine_config.seed)
@@ -208,6 +210,8 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if not work:
             return []
+        if self.spec is not None and self.proposer.drafts_after_scheduling:
+            self.proposer.propose(work)
         bucket, inputs, sampling = self._build(work)
         targets = self._prompt_targets(work, bucket.num_tokens)
         t0 = time.perf_counter()
@@ -232,7 +236,9 @@ class LLMEngine:
             k = k_step if p.num_speculative_tokens is None else min(k_step, p.num_speculative_tokens)
             # Never propose past the request's end: at most k drafts + 1 token may still be emitted.
             k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.config.max_model_len - seq.num_tokens - 1)
-            if k > 0:
+            if k > 0 and self.proposer.drafts_after_scheduling:
+                seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
+            elif k > 0:
                 seq.spec_token_ids = self.proposer.propose(seq.token_ids, k)
 
     def _prompt_targets(self, work: list[ScheduledWork], num_tokens: int) -> np.ndarray | None:
@@ -339,7 +345,7 @@ class LLMEngine:
             # Rows row0 .. row0+num_draft verify the drafts in order; the walk stops at the first rejected one,
             # whose row holds the replacement token (or, all accepted, the last row holds the bonus token).
             accepted = accepted_length(out["accepted"][row0 : row0 + w.num_draft].tolist()) if w.num_draft else 0
-            emitted = 0
+            emitted, num_tokens_before = 0, seq.num_tokens
             for row in range(row0, row0 + accepted + 1):
                 self._append_token(req, seq, out, row, now)
                 emitted += 1
@@ -351,6 +357,7 @@ class LLMEngine:
                 self.spec.metrics.record(w.num_draft, accepted)
                 seq.spec_num_verified += w.num_draft
                 seq.spec_num_accepted += accepted
+                self.proposer.verified(seq, num_tokens_before, w.num_draft, accepted)
                 self.block_manager.trim(seq, seq.num_tokens)  # pages that only held rejected drafts
             seq.spec_token_ids = []
             self.block_manager.register_computed(seq)

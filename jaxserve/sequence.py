@@ -40,6 +40,7 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
+    draft_num_computed: int = 0  # tokens whose draft-model KV is valid (draft_model speculation)
     spec_num_verified: int = 0  # draft tokens verified so far (speculative decoding metrics)
     spec_num_accepted: int = 0  # of which accepted
 

@@ -313,3 +313,50 @@ def test_bad_speculative_config():
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "draft": 1})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=-1)
+
+
+# ---- draft-model proposer ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A different random model with the same vocabulary: a poor but valid draft."""
+    path = tmp_path_factory.mktemp("tiny_draft")
+    make_tiny_model("llama_mqa", str(path), seed=5)
+    return str(path)
+
+
+def test_identical_draft_model_is_accepted(tiny, plain):
+    llm = LLM(tiny, **_engine_args(speculative_config={
+        "method": "draft_model", "model": tiny, "num_speculative_tokens": 3, "adaptive": False}))
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(5, seed=13)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == _ids(plain.generate(prompts, params, use_tqdm=False))
+    m = llm.llm_engine.spec.metrics
+    assert sum(m.num_drafts) > 50
+    assert m.acceptance_rate >= 0.98, m.as_dict()
+    assert llm.llm_engine.block_manager.num_used_pages == 0
+
+
+def test_different_draft_model_is_lossless_under_preemption(tiny, other_draft, plain):
+    llm = LLM(tiny, **_engine_args(num_pages=24, max_model_len=64, speculative_config={
+        "method": "draft_model", "model": other_draft, "num_speculative_tokens": 2, "adaptive": False}))
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(6, seed=17)]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, num_speculative_tokens=k) for k in (None, 1, 0, None, 2, None)]
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == _ids(plain.generate(prompts, params, use_tqdm=False))
+    eng = llm.llm_engine
+    assert eng.scheduler.num_preemptions > 0 and sum(eng.spec.metrics.num_drafts) > 0
+    eng.block_manager.check()
+    assert eng.block_manager.num_used_pages == 0
+
+
+def test_draft_model_must_share_the_vocabulary(tiny, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(tiny, **_engine_args(speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}))
+    with pytest.raises(ValueError, match="model"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})

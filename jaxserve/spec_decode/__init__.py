@@ -16,15 +16,22 @@ from __future__ import annotations
 
 import bisect
 
-from jaxserve.config import SpeculativeConfig
+from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer
 
 __all__ = ["NgramProposer", "SpecController", "SpecMetrics", "make_proposer"]
 
 
-def make_proposer(cfg: SpeculativeConfig):
+def make_proposer(cfg: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig):
+    """Proposers share one interface: `drafts_after_scheduling` (False: `propose(token_ids, k)` before the
+    scheduler runs; True: `propose(work)` fills the drafts of scheduled sequences into reserved pages),
+    `verified(seq, num_tokens_before, num_draft, num_accepted)` and `warmup()`."""
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "draft_model":
+        from jaxserve.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(cfg, engine_cfg, target)
     raise ValueError(f"unknown speculative method {cfg.method!r}")
 
 

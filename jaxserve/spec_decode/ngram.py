@@ -11,8 +11,16 @@ import numpy as np
 
 
 class NgramProposer:
+    drafts_after_scheduling = False  # drafts are known before scheduling (host lookup, no pages needed)
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+
+    def warmup(self) -> None:
+        pass
+
+    def verified(self, seq, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
+        pass
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         L = len(token_ids)
