@@ -134,6 +134,9 @@ def stats(xs: list[float]) -> dict:
 
 
 def fmt(s: dict, nd: int = 1) -> str:
+    """`median [min–max]`, just the median for one sample."""
+    if s["min"] == s["max"]:
+        return f"{s['median']:.{nd}f}"
     return f"{s['median']:.{nd}f} [{s['min']:.{nd}f}–{s['max']:.{nd}f}]"
 
 

@@ -181,3 +181,48 @@ def test_cli_parses_every_subcommand():
     assert json.loads(ap.parse_args(["spec"]).methods[0])["method"] == "ngram"
     with pytest.raises(SystemExit):
         ap.parse_args(["nope"])
+
+
+def _run(out_tok_s, n=10, **kw):
+    return dict(wall_s=n * 10 / out_tok_s, requests=n, output_tokens=n * 10, output_tok_s=out_tok_s,
+                total_tok_s=2 * out_tok_s, **kw)
+
+
+def test_throughput_markdown_ratios():
+    from bench import throughput
+
+    meta = dict(common.machine_info(), command="python -m bench.throughput --hf-requests 2", notes={
+        "llamacpp": "llama.cpp peer skipped: llama-cpp-python not installed"})
+    results = dict(jaxserve_continuous=_run(40.0), jaxserve_static=_run(20.0),
+                   jaxserve_continuous_hf_subset=_run(30.0, n=2), hf_static=_run(10.0, n=2, generated_tokens=30),
+                   vllm=_run(60.0, n=2))
+    md = throughput.markdown(meta, results)
+    assert "| jaxserve, continuous batching | 10 | 100 | 2.5 | 40.0 | 80.0 |" in md
+    assert "Continuous / static (same engine, same 10 requests): **2.00x**" in md
+    assert "jaxserve continuous / HF static (same 2 requests): **3.00x**" in md
+    assert "jaxserve continuous / vLLM-CPU (same 2 requests): **0.50x**" in md
+    assert "llama.cpp" not in md.split("Reproduce")[0].split("\n- ")[0]  # no llama.cpp row without a result
+    assert "- llama.cpp peer skipped" in md
+
+
+def test_decode_report_columns_per_engine():
+    from bench import decode
+
+    def tok(x):
+        return {"tok_s": common.median_range([x]), "tok_s_median_step": common.median_range([x]),
+                "prefill_s": common.median_range([0.1])}
+
+    env = dict(common.machine_info(), backend="cpu", loadavg_before=(0.1, 0, 0), loadavg_after=(0.2, 0, 0),
+               steal_pct=0.0, other_processes_cores=0.0)
+    rec = dict(args=dict(prompt_len=16, new_tokens=8, reps=1), env=env, profile_ms=None, model="m",
+               weight_bytes=1e6, kv_bytes_per_token=1e3, copy_bandwidth_Bps=common.median_range([1e10]),
+               greedy_match=dict(batch=1, prefix=8, of=8), notes={"hf": "fp32"}, skipped={"vllm": "vLLM skipped"},
+               command="python -m bench latency", results={
+                   1: dict(engines={"jaxserve": tok(50.0), "hf": tok(25.0)}, speedup={"hf": 2.0},
+                           jaxserve_steps_s=50.0, roofline_steps_s=100.0, pct_roofline=50.0),
+                   4: dict(engines={"jaxserve": tok(120.0)}, speedup={}, jaxserve_steps_s=30.0,
+                           roofline_steps_s=90.0, pct_roofline=33.3)})
+    md = decode.report(rec)
+    assert "| 1 | 50.0 | 25.0 | 2.00x | 50.0 | 100.0 | 50% |" in md
+    assert "| 4 | 120.0 | – | – | 30.0 | 90.0 | 33% |" in md
+    assert "agree on the first 8 of 8" in md and "- vLLM skipped" in md
