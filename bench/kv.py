@@ -5,7 +5,8 @@ per-token-per-head scales of quantized dtypes; page 0 is the padding sink), so t
 kv_cache_memory_bytes=B, kv_cache_dtype=D)` will hold. `--verify` builds the engine for each dtype at a small budget
 and checks the claim by running exactly that many concurrent sequences: all must run at once with no preemption
 (a quick CPU-safe check, not a speed measurement). Peers' rows use their formats' bytes per element
-(llama.cpp `--cache-type-k/v` f16, q8_0 = 34 B per 32 values, q4_0 = 18 B per 32) at the same budget.
+(llama.cpp `--cache-type-k/v` f16, q8_0 = 34 B per 32 values, q4_0 = 18 B per 32; vLLM `--kv-cache-dtype` auto at
+bf16, fp8 with per-tensor scales) at the same budget.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench kv --budget-gib 1 --verify     # docs/benchmarks/kv.{json,md,png}
 """
@@ -19,6 +20,7 @@ from bench.common import OUT_DIR, args_record, command_line, machine_info, machi
 
 DTYPES = ("float32", "bfloat16", "int8", "fp8")
 LLAMACPP_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+VLLM_BYTES_PER_VALUE = {"bfloat16": 2.0, "fp8": 1.0}  # vLLM's fp8 KV scales are per tensor: no per-token bytes
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -51,9 +53,11 @@ def capacity(model_cfg, budget_bytes: int, kv_cache_dtype: str, page_size: int, 
                 max_seqs={str(c): usable // -(-c // page_size) for c in contexts})
 
 
-def llamacpp_capacity(model_cfg, budget_bytes: int, cache_type: str, contexts: list[int]) -> dict:
+def llamacpp_capacity(model_cfg, budget_bytes: int, cache_type: str, contexts: list[int],
+                      bytes_per_value: dict = LLAMACPP_BYTES_PER_VALUE) -> dict:
+    """A peer's capacity from its format's bytes per K/V value (no paging overhead counted)."""
     values_per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
-    per_token = values_per_token * LLAMACPP_BYTES_PER_VALUE[cache_type]
+    per_token = values_per_token * bytes_per_value[cache_type]
     tokens = int(budget_bytes // per_token)
     return dict(storage=cache_type, bytes_per_token=per_token, max_tokens=tokens, max_context_one_seq=tokens,
                 max_seqs={str(c): tokens // c for c in contexts})
@@ -92,8 +96,9 @@ def report(record: dict) -> str:
     header = ["engine", "KV dtype", "bytes / token", "KV tokens", *(f"seqs @ {c}" for c in ctx)]
     rows = [["jaxserve", d, f"{r['bytes_per_token']:.0f}", r["max_tokens"], *(r["max_seqs"][c] for c in ctx)]
             for d, r in record["jaxserve"].items()]
-    rows += [["llama.cpp (by format)", t, f"{r['bytes_per_token']:.0f}", r["max_tokens"], *(r["max_seqs"][c] for c in ctx)]
-             for t, r in record["llamacpp"].items()]
+    for peer, label in (("llamacpp", "llama.cpp (by format)"), ("vllm", "vLLM (by format)")):
+        rows += [[label, t, f"{r['bytes_per_token']:.0f}", r["max_tokens"], *(r["max_seqs"][c] for c in ctx)]
+                 for t, r in record.get(peer, {}).items()]
     md = [f"# KV capacity at a {a['budget_gib']:g} GiB budget ({record['model']})", "",
           f"Page size {a['page_size']}; seqs @ N = full N-token sequences held at once. jaxserve rows are the "
           "engine's own page accounting (quantized dtypes include their f32 scales per token and head).", "",
@@ -115,17 +120,19 @@ def run(args) -> dict:
     cfg, budget = ckpt.config, int(args.budget_gib * 2**30)
     res = {d: capacity(cfg, budget, d, args.page_size, args.contexts) for d in args.dtypes}
     peer = {t: llamacpp_capacity(cfg, budget, t, args.contexts) for t in LLAMACPP_BYTES_PER_VALUE}
+    vllm = {t: llamacpp_capacity(cfg, budget, t, args.contexts, VLLM_BYTES_PER_VALUE) for t in VLLM_BYTES_PER_VALUE}
     ver = {}
     if args.verify:
         for d in args.dtypes:
             ver[d] = verify(args.model, d, int(args.verify_budget_mib * 2**20), args.verify_context, args.page_size)
             print(f"[kv] verify {d}: {ver[d]}", flush=True)
     record = dict(command=command_line("bench.kv"), machine=machine_info(), args=args_record(args),
-                  model=args.model or "SmolLM2-135M-Instruct", jaxserve=res, llamacpp=peer, verify=ver)
+                  model=args.model or "SmolLM2-135M-Instruct", jaxserve=res, llamacpp=peer, vllm=vllm, verify=ver)
     paths = write_outputs(args.out, args.name, record, report(record))
     c = str(args.contexts[len(args.contexts) // 2])
     groups = {f"jaxserve {d}": {f"seqs @ {c}": r["max_seqs"][c]} for d, r in res.items()}
     groups.update({f"llama.cpp {t}": {f"seqs @ {c}": r["max_seqs"][c]} for t, r in peer.items()})
+    groups.update({f"vLLM {t}": {f"seqs @ {c}": r["max_seqs"][c]} for t, r in vllm.items()})
     paths += plots.grouped_bars(groups, f"{args.out}/{args.name}.png", ylabel="concurrent sequences",
                                 title=f"Sequences of {c} tokens in {args.budget_gib:g} GiB of KV")
     print("\n".join(f"wrote {p}" for p in paths))

@@ -127,8 +127,10 @@ def test_kv_report_lists_every_dtype():
     peer = {"f16": kv.llamacpp_capacity(cfg, 1 << 20, "f16", [64])}
     verify = {"int8": dict(context=64, capacity=5, peak_running=5, peak_kv_usage=1.0, preemptions=0, ok=True)}
     md = kv.report(dict(args=dict(budget_gib=1 / 1024, contexts=[64], page_size=16, verify_budget_mib=1), model="tiny",
-                        jaxserve=res, llamacpp=peer, verify=verify, command="c", machine=common.machine_info()))
+                        jaxserve=res, llamacpp=peer, verify=verify, vllm={"fp8": kv.llamacpp_capacity(
+                            cfg, 1 << 20, "fp8", [64], kv.VLLM_BYTES_PER_VALUE)}, command="c", machine=common.machine_info()))
     assert "| jaxserve | float32 | 512 | 2032 | 31 |" in md
+    assert "| vLLM (by format) | fp8 | 64 | 16384 | 256 |" in md
     assert "| llama.cpp (by format) | f16 |" in md and "| int8 | 64 | 5 | 5 | 100% | 0 | yes |" in md
 
 
