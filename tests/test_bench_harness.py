@@ -130,7 +130,7 @@ def test_kv_report_lists_every_dtype():
                         jaxserve=res, llamacpp=peer, verify=verify, vllm={"fp8": kv.llamacpp_capacity(
                             cfg, 1 << 20, "fp8", [64], kv.VLLM_BYTES_PER_VALUE)}, command="c", machine=common.machine_info()))
     assert "| jaxserve | float32 | 512 | 2032 | 31 |" in md
-    assert "| vLLM (by format) | fp8 | 64 | 16384 | 256 |" in md
+    assert "| vLLM (by format) | fp8 | 128 | 8192 | 128 |" in md
     assert "| llama.cpp (by format) | f16 |" in md and "| int8 | 64 | 5 | 5 | 100% | 0 | yes |" in md
 
 
