@@ -119,8 +119,8 @@ def report(record: dict) -> str:
     if rows:
         md += [f"Greedy, EOS ignored, ShareGPT first turns, up to {a['max_tokens']} tokens each; median of "
                f"{a['rounds']} interleaved rounds.", "",
-               md_table(["method", "workload", "speedup", "tok/s spec / none", "acceptance", "outputs vs none",
-                         ], rows), ""]
+               md_table(["method", "workload", "speedup", "tok/s spec / none", "acceptance (cumulative)",
+                         "outputs vs none"], rows), ""]
     md += ["Reproduce:", "", f"    {record['command']}", "", machine_line(record["machine"]), ""]
     return "\n".join(md)
 
@@ -142,7 +142,8 @@ def run(args) -> dict:
         p1, l1 = _requests(tok, args, args.num_requests, 0)
         pl, ll = _requests(tok, args, args.load_requests, args.num_requests)
         for cfg in methods:
-            label = cfg.get("method", "?") + "".join(f" {k}={v}" for k, v in cfg.items() if k != "method")
+            short = {"num_speculative_tokens": "k", "prompt_lookup_max": "max", "prompt_lookup_min": "min"}
+            label = cfg.get("method", "?") + "".join(f" {short.get(k, k)}={v}" for k, v in cfg.items() if k != "method")
             entry = dict(label=label, config=cfg)
             try:
                 spec = LLM(args.model, speculative_config=cfg, **engine_args)
