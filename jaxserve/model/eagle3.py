@@ -1,0 +1,141 @@
+"""The EAGLE-3 draft head as one pure function, shared by serving (`spec_decode/eagle3.py`) and training.
+
+Architecture (EAGLE-3, Li et al. 2025; the same in EAGLE's reference code, vLLM's speculators and SpecForge):
+
+  features  f[T, 3D]  the target's residual stream entering three layers, concatenated (low, mid, high)
+  fuse      h = fc(norm?(features))            3D -> D; optional RMSNorm over all 3D (`norm_before_fc`) or one
+                                               RMSNorm per D-wide chunk (`fc_norm`); never both
+  layer     x = concat[input_layernorm(embed(token)), hidden_norm(h)]      2D wide
+            residual = hidden_norm(h) if norm_before_residual else h
+            h1 = residual + o_proj(attention(q/k/v_proj(x)))               q/k/v take 2D inputs
+            out = h1 + mlp(post_attention_layernorm(h1))
+  output    logits = lm_head(norm(out)) over the draft vocabulary; token = argmax + d2t[argmax]
+  next      the feature for the following draft step is `out` (or `norm(out)` with `norm_output`), which
+            replaces fc(features): drafts 2..K are fed the head's own hidden state and its own last token.
+
+The embedding is the target's (shared, not stored in the head). Attention runs over the head's own one-layer paged
+KV cache through `jaxserve.attention`, exactly like the target model, so ragged batches (catch-up chunks next to
+single-token draft steps) work unchanged. The caller chooses positions: serving pairs the target feature at
+position p with the token at p + 1 and runs the pair at position p (vLLM's convention; see spec_decode/eagle3.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import attention
+from jaxserve.batch import StepInputs
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, write_kv
+from jaxserve.model.layers import apply_rope, argmax, gated_mlp, rms_norm, rope_inv_freq
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eagle3Config:
+    """What an EAGLE-3 head is. Hashable, so jitted functions close over it as static data.
+
+    `aux_layer_ids` follow ONE convention everywhere in jaxserve: id i captures the residual stream *entering*
+    target layer i (id == num_layers: the final, pre-norm output). This is EAGLE's reference code, vLLM's and
+    speculators' convention (default [2, N//2, N-3]). SpecForge / SGLang write *output* indices (the output of
+    layer j is the input of layer j + 1), so their ids map here as j + 1 (`loader/eagle3.py` does it).
+    """
+
+    layer: ModelConfig  # the single decoder layer: dims, eps, RoPE; vocab_size = the target's vocabulary
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]  # three target layer ids, input convention (see above)
+    norm_before_fc: bool = False  # RMSNorm over the concatenated 3D features before fc
+    fc_norm: bool = False  # RMSNorm per D-wide feature chunk before fc ("EAGLE 3.1")
+    norm_before_residual: bool = False  # the residual is hidden_norm(h) rather than h
+    norm_output: bool = False  # the next step's feature is norm(out) rather than out
+
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are mutually exclusive (an EAGLE-3 head has at most one)")
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"an EAGLE-3 head reads exactly 3 target layers (got ids {self.aux_layer_ids})")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Eagle3Weights:
+    """Linear weights are [in, out]."""
+
+    fc: jax.Array  # f[3D, D]
+    embed_norm: jax.Array  # f[D]      input_layernorm (on the token embedding)
+    hidden_norm: jax.Array  # f[D]
+    wq: jax.Array  # f[2D, N*H]
+    wk: jax.Array  # f[2D, K*H]
+    wv: jax.Array  # f[2D, K*H]
+    wo: jax.Array  # f[N*H, D]
+    mlp_norm: jax.Array  # f[D]      post_attention_layernorm
+    w_gate: jax.Array  # f[D, F]
+    w_up: jax.Array  # f[D, F]
+    w_down: jax.Array  # f[F, D]
+    final_norm: jax.Array  # f[D]
+    lm_head: jax.Array  # f[D, Vd]
+    d2t: jax.Array  # i32[Vd]   target id = draft id + d2t[draft id]
+    fc_in_norm: Optional[jax.Array] = None  # f[3D]     norm_before_fc
+    fc_chunk_norm: Optional[jax.Array] = None  # f[3, D]  fc_norm
+
+
+def fuse_features(cfg: Eagle3Config, w: Eagle3Weights, features: jax.Array) -> jax.Array:
+    """Target features f[T, 3D] -> the head's input hidden state f[T, D]."""
+    eps = cfg.layer.rms_norm_eps
+    if w.fc_in_norm is not None:
+        features = rms_norm(features, w.fc_in_norm, eps)
+    elif w.fc_chunk_norm is not None:
+        T, D = features.shape[0], cfg.layer.hidden_size
+        features = rms_norm(features.reshape(T, 3, D), w.fc_chunk_norm, eps).reshape(T, 3 * D)
+    return features @ w.fc
+
+
+def eagle3_forward(
+    cfg: Eagle3Config,
+    w: Eagle3Weights,
+    embed: jax.Array,  # f[V, D]  the target's token embedding
+    kv: KVCache,  # [1, P, page_size, K, H]  the head's own paged cache
+    inputs: StepInputs,  # token_ids: the token paired with each hidden state; positions, slots, block tables
+    hidden: jax.Array,  # f[T, 3D] target features (from_target) | f[T, D] the head's previous `next_hidden`
+    *,
+    from_target: bool,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One ragged step of the head. Returns (next_hidden f[T, D], normed f[T, D], kv): `next_hidden` feeds the next
+    draft step, `draft_logits(w, normed[rows])` gives the draft-vocabulary logits."""
+    c = cfg.layer
+    eps = c.rms_norm_eps
+    T = inputs.token_ids.shape[0]
+    N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+    h = fuse_features(cfg, w, hidden) if from_target else hidden
+    with jax.named_scope("eagle3_attention"):
+        h_normed = rms_norm(h, w.hidden_norm, eps)
+        x = jnp.concatenate([rms_norm(embed[inputs.token_ids].astype(h.dtype), w.embed_norm, eps), h_normed], axis=-1)
+        residual = h_normed if cfg.norm_before_residual else h
+        inv_freq = jnp.asarray(rope_inv_freq(c))
+        q = apply_rope((x @ w.wq).reshape(T, N, H), inputs.positions, inv_freq)
+        k = apply_rope((x @ w.wk).reshape(T, K, H), inputs.positions, inv_freq)
+        v = (x @ w.wv).reshape(T, K, H)
+        layer = jnp.zeros((), jnp.int32)
+        kv = write_kv(kv, layer, k, v, inputs.slot_mapping)
+        meta = attention.token_metadata(inputs)
+        o = attention.ragged_paged_attention(q, kv, layer, inputs, meta, sm_scale=1.0 / math.sqrt(H))
+        h1 = residual + o.reshape(T, N * H) @ w.wo
+    with jax.named_scope("eagle3_mlp"):
+        out = h1 + gated_mlp(rms_norm(h1, w.mlp_norm, eps), w.w_gate, w.w_up, w.w_down)
+    normed = rms_norm(out, w.final_norm, eps)
+    return (normed if cfg.norm_output else out), normed, kv
+
+
+def draft_logits(w: Eagle3Weights, normed: jax.Array) -> jax.Array:
+    """normed: f[R, D] -> f32[R, Vd] over the draft vocabulary."""
+    return jnp.einsum("rd,dv->rv", normed, w.lm_head, preferred_element_type=jnp.float32)
+
+
+def greedy_target_ids(w: Eagle3Weights, logits: jax.Array) -> jax.Array:
+    """f32[R, Vd] -> i32[R]: the greedy draft token, mapped into the target vocabulary through d2t."""
+    d = argmax(logits)
+    return d + w.d2t[d]

@@ -1,0 +1,222 @@
+"""EAGLE-3 proposer: a one-layer head drafts from the target's own hidden states (`model/eagle3.py`).
+
+Pairing (vLLM's convention). The head's input at position p is the pair (target feature f_p, token t_{p+1}):
+f_p is the target's residual stream entering the three `aux_layer_ids` layers at position p (the state that
+predicted t_{p+1}), and the pair predicts t_{p+2}. The head's KV for that pair lives at slot p of the sequence's
+pages. Draft j >= 2 is fed draft j-1 at position n-3+j (n = tokens in the sequence) with the head's own output
+hidden state from the previous draft step in place of a target feature.
+
+When. Features exist only after a target step, so drafts for step s+1 are made at the end of step s
+(`after_step`, called by the engine's postprocess with the step's features still on device):
+  1. catch-up: for every sequence of the step, the pairs of the positions the target computed *and kept* this
+     step (prefill chunks; the verified token plus accepted drafts), laid out in the step's own token bucket so the
+     feature gather needs no reshuffling; afterwards the head's KV is valid exactly where the target's is;
+  2. for every sequence that is now decoding, K - 1 single-token passes (one `lax.scan` in the same executable).
+The drafts wait in `seq.spec_token_ids`; the next step's `_propose` cuts them to the K it chose and the scheduler
+verifies as many as fit its budget. One executable per target bucket, one fetch (the drafts) per step.
+
+Pages. The head's cache uses the target's page ids (page p of both caches holds the same positions), so
+allocation, sharing and preemption need nothing new. Draft passes write slots n-1 .. n+K-3; instead of reserving
+pages outside the scheduler, K is capped per sequence so every write lands in a page the sequence already holds
+(K <= pages * page_size - n + 2, so K >= 2 always fits); the cap only bites in the last slots of a page.
+Rejected drafts' slots are simply overwritten by the next catch-up.
+
+Preemption drops the target KV and with it the head's (both recomputed, and the head catches up along the
+prefill). Prefix caching: a cached page's head KV was written by the sequence that computed it, but its last slot
+pairs with the *next* page's first token, which a new sequence may not share; the scheduler therefore reuses one
+page fewer with EAGLE-3 (that page is recomputed, which also yields the features the catch-up needs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs, choose_bucket
+from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig, kv_storage_dtype
+from jaxserve.kv_cache import KVCache, init_kv_cache
+from jaxserve.loader.eagle3 import load_eagle3
+from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights, draft_logits, eagle3_forward, greedy_target_ids
+from jaxserve.packing import Layout
+
+logger = logging.getLogger(__name__)
+
+_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs))
+
+
+def draft_fn(
+    cfg: Eagle3Config,
+    k: int,
+    page_size: int,
+    weights: Eagle3Weights,
+    embed: jax.Array,  # f[V, D]  the target's embedding
+    kv: KVCache,  # [1, P, page_size, K, H]
+    aux: jax.Array,  # f[T, 3D]  the target step's features, in its token order
+    packed: jax.Array,  # i32[*]  catch-up StepInputs + feature_rows i32[T] + draft_pos i32[S] + num_draft i32[S]
+    *,
+    layout: Layout,
+) -> tuple[jax.Array, KVCache]:
+    """Catch-up pass + k-1 draft passes -> (drafts i32[S, k] in target ids, kv)."""
+    a = layout.unpack(packed)
+    inputs = StepInputs(**{f: a[f] for f in _STEP_FIELDS})
+    S = a["num_draft"].shape[0]
+    nxt, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a["feature_rows"]], from_target=True)
+    rows = inputs.logits_indices[:S]  # each sequence's last caught-up pair
+    tok = greedy_target_ids(weights, draft_logits(weights, normed[rows]))
+    h = nxt[rows]
+    bt = inputs.block_tables  # [S, P]
+    P = bt.shape[1]
+    seq_idx = jnp.arange(S, dtype=jnp.int32)
+
+    def step(carry, j):
+        tok, h, kv = carry
+        active = j < a["num_draft"]  # this sequence still wants draft j + 1
+        p = jnp.where(active, a["draft_pos"] + j - 1, 0)  # inactive rows: position 0, writing the sink slot
+        page = bt[seq_idx, jnp.minimum(p // page_size, P - 1)]
+        one = StepInputs(
+            token_ids=tok,
+            positions=p,
+            slot_mapping=jnp.where(active, page * page_size + p % page_size, 0),
+            block_tables=bt,
+            seq_lens=p + 1,
+            cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32),
+            num_seqs=jnp.asarray(S, jnp.int32),
+            logits_indices=seq_idx,
+        )
+        h, normed, kv = eagle3_forward(cfg, weights, embed, kv, one, h, from_target=False)
+        tok = greedy_target_ids(weights, draft_logits(weights, normed))
+        return (tok, h, kv), tok
+
+    (_, _, kv), rest = jax.lax.scan(step, (tok, h, kv), jnp.arange(1, k, dtype=jnp.int32))
+    drafts = jnp.concatenate([tok[None], rest], axis=0).T  # [S, k]
+    return drafts, kv
+
+
+class Eagle3Proposer:
+    drafts_after_scheduling = False
+    drafts_after_step = True  # drafts are made in `after_step` and wait in seq.spec_token_ids
+
+    def __init__(self, spec: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig, runner):
+        self.engine_cfg = engine_cfg
+        self.k = spec.num_speculative_tokens
+        self.target_runner = runner
+        dtype = jnp.dtype(engine_cfg.dtype)
+        self.cfg, host = load_eagle3(spec.model, target, dtype)
+        if tuple(runner.hidden_layer_ids) != self.cfg.aux_layer_ids:
+            raise ValueError(
+                f"the target runner captures layers {runner.hidden_layer_ids}, the head needs {self.cfg.aux_layer_ids}"
+            )
+        self.weights = jax.device_put(host)
+        kv_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, engine_cfg.dtype)
+        self.kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages, engine_cfg.page_size, kv_dtype)
+        self._jitted = jax.jit(
+            functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size),
+            static_argnames=("layout",),
+            donate_argnames=("kv",),
+        )
+        self._executables: dict[Bucket, jax.stages.Compiled] = {}
+        self.num_compiles = 0
+        logger.info(
+            "EAGLE-3 head %s: draft vocab %d, target layers %s (input convention)",
+            spec.model, self.cfg.draft_vocab_size, list(self.cfg.aux_layer_ids),
+        )
+
+    # ---- compilation ----------------------------------------------------------------------------------------
+
+    def _layout(self, b: Bucket) -> Layout:
+        T, S, P, R = b.num_tokens, b.num_seqs, b.max_pages, b.rows
+        return Layout.of(
+            dict(
+                token_ids=((T,), "int32"),
+                positions=((T,), "int32"),
+                slot_mapping=((T,), "int32"),
+                block_tables=((S, P), "int32"),
+                seq_lens=((S,), "int32"),
+                cu_q_lens=((S + 1,), "int32"),
+                num_seqs=((), "int32"),
+                logits_indices=((R,), "int32"),
+                feature_rows=((T,), "int32"),
+                draft_pos=((S,), "int32"),
+                num_draft=((S,), "int32"),
+            )
+        )
+
+    def _bucket(self, num_tokens: int, num_pages: int) -> Bucket:
+        cfg = self.engine_cfg
+        return choose_bucket(num_tokens, num_pages, cfg.token_buckets, cfg.page_buckets, cfg.max_num_seqs)
+
+    def _executable(self, b: Bucket) -> jax.stages.Compiled:
+        exe = self._executables.get(b)
+        if exe is None:
+            lay = self._layout(b)
+            D3 = 3 * self.cfg.layer.hidden_size
+            aux = jax.ShapeDtypeStruct((b.num_tokens, D3), jnp.dtype(self.engine_cfg.dtype))
+            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32)
+            embed = self.target_runner.weights.embed
+            exe = self._jitted.lower(self.weights, embed, self.kv, aux, packed, layout=lay).compile()
+            self._executables[b] = exe
+            self.num_compiles += 1
+        return exe
+
+    def warmup(self) -> None:
+        cfg = self.engine_cfg
+        for t in cfg.token_buckets:
+            for p in cfg.page_buckets:
+                self._executable(self._bucket(t, p))
+
+    # ---- the proposer interface -----------------------------------------------------------------------------
+
+    def verified(self, seq, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
+        """Nothing to roll back: the next catch-up overwrites the slots of rejected drafts."""
+
+    def after_step(self, work, starts: list[int], aux: jax.Array) -> None:
+        """Catch the head up on what the target kept this step and draft for every decoding sequence.
+
+        `work`: the step's ScheduledWork (in token order); `starts[i]`: work[i]'s num_computed_tokens before the
+        step; `aux`: the step's features f[T, 3D] on device (`ModelRunner.last_hidden`)."""
+        cfg, ps = self.engine_cfg, self.engine_cfg.page_size
+        seqs, feature_rows, draft_pos, num_draft, owners = [], [], [], [], []
+        t = 0
+        for w, start in zip(work, starts):
+            seq, row0 = w.seq, t
+            t += w.num_tokens
+            n_valid = seq.num_computed_tokens - start
+            if n_valid <= 0 or not seq.page_ids:
+                continue
+            n = seq.num_tokens
+            # pair (f_p, t_{p+1}) for the positions p the target computed and kept this step
+            seqs.append(ScheduledSeq(seq.token_ids[start + 1 : start + 1 + n_valid], start, seq.page_ids))
+            feature_rows.extend(range(row0, row0 + n_valid))
+            k = 0
+            if not seq.is_finished and seq.num_uncomputed_tokens == 1:
+                p = seq.params
+                k = self.k if p.num_speculative_tokens is None else min(self.k, p.num_speculative_tokens)
+                k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, cfg.max_model_len - n - 1)
+                k = min(k, len(seq.page_ids) * ps - n + 2)  # every draft KV write lands in a held page
+            draft_pos.append(n - 1)
+            num_draft.append(max(k, 0))
+            owners.append(seq)
+            seq.draft_num_computed = seq.num_computed_tokens
+        if not seqs:
+            return
+        b = self._bucket(aux.shape[0], max(len(s.page_ids) for s in seqs))
+        arrays = build_step_inputs(seqs, b, ps)
+        S = b.num_seqs
+        arrays["feature_rows"] = np.zeros(b.num_tokens, np.int32)
+        arrays["feature_rows"][: len(feature_rows)] = feature_rows
+        arrays["draft_pos"] = np.zeros(S, np.int32)
+        arrays["draft_pos"][: len(seqs)] = draft_pos
+        arrays["num_draft"] = np.zeros(S, np.int32)
+        arrays["num_draft"][: len(seqs)] = num_draft
+        exe = self._executable(b)
+        packed = jax.device_put(self._layout(b).pack(arrays))
+        drafts, self.kv = exe(self.weights, self.target_runner.weights.embed, self.kv, aux, packed)
+        if any(num_draft):
+            drafts = np.asarray(jax.device_get(drafts))
+            for i, (seq, k) in enumerate(zip(owners, num_draft)):
+                seq.spec_token_ids = [int(x) for x in drafts[i, :k]]

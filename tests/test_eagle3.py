@@ -1,0 +1,351 @@
+"""EAGLE-3: the head's forward against an independent torch re-implementation, both checkpoint formats (speculators
+and HF `LlamaForCausalLMEagle3`) with a non-trivial d2t, the layer-id convention, and greedy output with EAGLE-3
+speculation equal to greedy output without it (mixed K per request, preemption, aborts leaking no pages).
+
+Heads are random (written here with safetensors, nothing downloaded), so they accept little; one head is rigged
+(zero lm_head: it always drafts the same token) so that accepted drafts, and the catch-up over them, happen too.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
+from jaxserve.config import SpeculativeConfig
+from jaxserve.kv_cache import init_kv_cache
+from jaxserve.loader import load_checkpoint
+from jaxserve.loader.eagle3 import load_eagle3, read_eagle3_config
+from jaxserve.loader.weights import to_weights
+from jaxserve.model.eagle3 import draft_logits, eagle3_forward, greedy_target_ids
+from jaxserve.model.llama import forward
+
+V, D, F, NH, NKV, L = 300, 64, 160, 4, 2, 5
+HD = D // NH
+AUX_IDS = [1, 3, 5]  # input convention (5 == L: the final pre-norm output)
+LAYER_CFG = dict(
+    model_type="llama", vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=1,
+    num_attention_heads=NH, num_key_value_heads=NKV, rms_norm_eps=1e-5, rope_theta=10000.0,
+    max_position_embeddings=512, hidden_act="silu", tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random 5-layer Llama (so three distinct layers can be captured)."""
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("eagle_target"))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**(LAYER_CFG | dict(num_hidden_layers=L, initializer_range=0.1, bos_token_id=1, eos_token_id=2)))
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    model.save_pretrained(path)
+    return path, model
+
+
+def _vocab(rng, vd, first=None):
+    """Sorted random draft vocabulary -> (d2t offsets, t2d mask); `first`: draft id 0 maps to it (then unsorted)."""
+    if first is None:
+        ids = np.sort(rng.choice(V, vd, replace=False)).astype(np.int64)
+    else:
+        ids = np.concatenate([[first], rng.choice(np.setdiff1d(np.arange(V), [first]), vd - 1, replace=False)])
+    t2d = np.zeros(V, bool)
+    t2d[ids] = True
+    return ids - np.arange(vd), t2d
+
+
+def make_head(path, fmt="speculators", seed=0, vd=40, zero_lm_head=False, first=None, **flags):
+    """Write a random EAGLE-3 head (draft vocab `vd` < V, sorted random ids -> non-trivial d2t) in `fmt`."""
+    rng = np.random.default_rng(seed)
+    r = lambda *s: (0.15 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
+    norm = lambda n: (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    d2t, t2d = _vocab(rng, vd, first)
+    lay = "layers.0." if fmt == "speculators" else "midlayer."
+    w = {
+        "fc.weight": r(D, 3 * D),
+        lay + "input_layernorm.weight": norm(D),
+        lay + "hidden_norm.weight": norm(D),
+        lay + "self_attn.q_proj.weight": r(NH * HD, 2 * D),
+        lay + "self_attn.k_proj.weight": r(NKV * HD, 2 * D),
+        lay + "self_attn.v_proj.weight": r(NKV * HD, 2 * D),
+        lay + "self_attn.o_proj.weight": r(D, NH * HD),
+        lay + "post_attention_layernorm.weight": norm(D),
+        lay + "mlp.gate_proj.weight": r(F, D),
+        lay + "mlp.up_proj.weight": r(F, D),
+        lay + "mlp.down_proj.weight": r(D, F),
+        "norm.weight": norm(D),
+        "lm_head.weight": np.zeros((vd, D), np.float32) if zero_lm_head else r(vd, D),
+        "d2t": d2t,
+        "t2d": t2d,
+    }
+    if flags.get("norm_before_fc"):
+        w["input_norm.weight"] = norm(3 * D)
+    if flags.get("fc_norm"):
+        w["fc_norm.weight"] = norm(3 * D).reshape(3, D)
+    if fmt == "speculators":
+        cfg = dict(
+            speculators_model_type="eagle3", architectures=["Eagle3Speculator"], transformer_layer_config=LAYER_CFG,
+            draft_vocab_size=vd, eagle_aux_hidden_state_layer_ids=AUX_IDS,
+            speculators_config={"algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]},
+        ) | flags
+    else:  # EAGLE / SpecForge: output-index layer ids
+        cfg = LAYER_CFG | dict(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vd,
+                               eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in AUX_IDS]}) | flags
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(w, os.path.join(path, "model.safetensors"))
+    return w
+
+
+# ---- independent reference: the EAGLE-3 layer in torch ops -------------------------------------------------------
+
+
+def _t(a):
+    return torch.from_numpy(np.asarray(a, np.float32))
+
+
+def _rms(x, w, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos):  # x [T, heads, HD], HF rotate-half
+    inv = 1.0 / (10000.0 ** (torch.arange(0, HD, 2, dtype=torch.float64) / HD))
+    ang = (pos[:, None].double() * inv[None]).float()
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    x1, x2 = x[..., : HD // 2], x[..., HD // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def torch_eagle3(w, feats, tokens, embed, lay, flags, extra_hidden=None):
+    """One causal pass over a single sequence at positions 0..T-1 -> (next hidden, draft-vocab logits). The first
+    rows are fed fused target features, `extra_hidden` rows (draft steps) the head's own earlier output."""
+    x = _t(feats)
+    if flags.get("norm_before_fc"):
+        x = _rms(x, _t(w["input_norm.weight"]))
+    if flags.get("fc_norm"):
+        x = _rms(x.reshape(-1, 3, D), _t(w["fc_norm.weight"])).reshape(-1, 3 * D)
+    h = x @ _t(w["fc.weight"]).T
+    if extra_hidden is not None:
+        h = torch.cat([h, extra_hidden])
+    T = h.shape[0]
+    hn = _rms(h, _t(w[lay + "hidden_norm.weight"]))
+    e = _rms(_t(embed)[torch.as_tensor(tokens)], _t(w[lay + "input_layernorm.weight"]))
+    x = torch.cat([e, hn], -1)
+    res = hn if flags.get("norm_before_residual") else h
+    pos = torch.arange(T)
+    q = _rope((x @ _t(w[lay + "self_attn.q_proj.weight"]).T).reshape(T, NH, HD), pos)
+    k = _rope((x @ _t(w[lay + "self_attn.k_proj.weight"]).T).reshape(T, NKV, HD), pos)
+    v = (x @ _t(w[lay + "self_attn.v_proj.weight"]).T).reshape(T, NKV, HD)
+    k, v = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    h1 = res + o.transpose(0, 1).reshape(T, D) @ _t(w[lay + "self_attn.o_proj.weight"]).T
+    m = _rms(h1, _t(w[lay + "post_attention_layernorm.weight"]))
+    act = torch.nn.functional.silu(m @ _t(w[lay + "mlp.gate_proj.weight"]).T) * (m @ _t(w[lay + "mlp.up_proj.weight"]).T)
+    out = h1 + act @ _t(w[lay + "mlp.down_proj.weight"]).T
+    normed = _rms(out, _t(w["norm.weight"]))
+    return (normed if flags.get("norm_output") else out), normed @ _t(w["lm_head.weight"]).T
+
+
+FLAG_SETS = [
+    {},
+    dict(norm_before_residual=True, norm_before_fc=True),
+    dict(fc_norm=True, norm_output=True),
+]
+
+
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=["plain", "norm_before_fc+residual", "fc_norm+norm_output"])
+@pytest.mark.parametrize("fmt", ["speculators", "hf"])
+def test_head_forward_matches_torch_reference(target, tmp_path, fmt, flags):
+    tpath, _ = target
+    tcfg = load_checkpoint(tpath).config
+    w = make_head(str(tmp_path), fmt, seed=3, **flags)
+    cfg, hw = load_eagle3(str(tmp_path), tcfg, np.float32)
+    assert cfg.aux_layer_ids == tuple(AUX_IDS) and cfg.draft_vocab_size == 40
+    rng = np.random.default_rng(1)
+    embed = rng.standard_normal((V, D)).astype(np.float32)
+    T, ps = 11, 4
+    feats = rng.standard_normal((T, 3 * D)).astype(np.float32)
+    tokens = rng.integers(0, V, T + 1).tolist()
+    lay = "layers.0." if fmt == "speculators" else "midlayer."
+
+    # Pass 1: T target features in one prefill; pass 2: one draft step fed the head's own hidden state.
+    ref_h, ref_logits = torch_eagle3(w, feats, tokens[:T], embed, lay, flags)
+    # the step at position T is fed the output at position T - 1 as its hidden state
+    ref_h2, ref_logits2 = torch_eagle3(w, feats, tokens[:T] + [tokens[T]], embed, lay, flags, extra_hidden=ref_h[-1:])
+
+    pages = [3, 1, 4, 2]  # deliberately out of order
+    kv = init_kv_cache(cfg.layer, 6, ps, jnp.float32)
+    b = choose_bucket(T, len(pages), (16,), (4,), 4)
+    inputs = build_step_inputs([ScheduledSeq(tokens[:T], 0, pages)], b, ps)
+    jin = jax.tree.map(jnp.asarray, inputs)
+    from jaxserve.batch import StepInputs
+
+    h, normed, kv = eagle3_forward(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))), from_target=True)
+    np.testing.assert_allclose(np.asarray(h[:T]), ref_h.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(draft_logits(hw, normed[:T])), ref_logits.numpy(), rtol=1e-4, atol=1e-4)
+    b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
+    jin = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([tokens[T]], T, pages)], b1, ps))
+    h2, normed2, kv = eagle3_forward(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), h[T - 1 : T], from_target=False)
+    np.testing.assert_allclose(np.asarray(h2[0]), ref_h2[-1].numpy(), rtol=1e-4, atol=1e-4)
+    logits2 = draft_logits(hw, normed2)
+    np.testing.assert_allclose(np.asarray(logits2[0]), ref_logits2[-1].numpy(), rtol=1e-4, atol=1e-4)
+    d = int(np.argmax(ref_logits2[-1].numpy()))
+    assert int(greedy_target_ids(hw, logits2)[0]) == d + int(w["d2t"][d])  # d2t offsets into the target vocab
+
+
+def test_layer_id_conventions_capture_the_same_tensors(target, tmp_path):
+    """Speculators ids (input convention) and SpecForge output ids (HF format) name the same captured tensors, and
+    those are HF's hidden_states[id] (the residual stream entering layer id)."""
+    tpath, model = target
+    ck = load_checkpoint(tpath)
+    make_head(str(tmp_path / "spec"), "speculators")
+    make_head(str(tmp_path / "hf"), "hf")
+    a = read_eagle3_config(str(tmp_path / "spec"), ck.config).aux_layer_ids
+    b = read_eagle3_config(str(tmp_path / "hf"), ck.config).aux_layer_ids
+    assert a == b == tuple(AUX_IDS)
+    tokens = [1, 17, 42, 99, 5, 250, 7]
+    T = len(tokens)
+    weights = jax.device_put(to_weights(ck.config, ck.tensors, np.float32))
+    kv = init_kv_cache(ck.config, 4, 4, jnp.float32)
+    bk = choose_bucket(T, 2, (8,), (2,), 2)
+    from jaxserve.batch import StepInputs
+
+    inputs = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(tokens, 0, [1, 2])], bk, 4)))
+    _, _, hidden = forward(ck.config, weights, kv, inputs, hidden_layer_ids=a)
+    with torch.no_grad():
+        hf = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    for j, i in enumerate(a):
+        if i < L:  # HF normalises its last entry; id L is the pre-norm output, checked via the layer below
+            np.testing.assert_allclose(np.asarray(hidden[j, :T]), hf[i][0].numpy(), rtol=1e-4, atol=1e-4)
+    # SpecForge id i - 1 = output of layer i - 1 = input of layer i
+    assert [i - 1 for i in b] == json.load(open(tmp_path / "hf" / "config.json"))["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def test_malformed_heads_fail_clearly(target, tmp_path):
+    tcfg = load_checkpoint(target[0]).config
+    p = tmp_path / "h"
+    w = make_head(str(p))
+    del w["layers.0.hidden_norm.weight"]
+    save_file(w, str(p / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.*missing tensor layers.0.hidden_norm.weight|missing tensor layers.0.hidden_norm"):
+        load_eagle3(str(p), tcfg, np.float32)
+    make_head(str(p))
+    cfg = json.load(open(p / "config.json"))
+    json.dump(cfg | {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}, open(p / "config.json", "w"))
+    with pytest.raises(ValueError, match="config.json.*outside the target"):
+        load_eagle3(str(p), tcfg, np.float32)
+    json.dump(cfg | {"speculators_model_type": "medusa"}, open(p / "config.json", "w"))
+    with pytest.raises(ValueError, match="expected 'eagle3'"):
+        load_eagle3(str(p), tcfg, np.float32)
+    w = make_head(str(p))
+    w["d2t"] = w["d2t"][:-1]
+    save_file(w, str(p / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t"):
+        load_eagle3(str(p), tcfg, np.float32)
+    with pytest.raises(ValueError, match="required for method 'eagle3'"):
+        SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 2})
+
+
+# ---- engine: greedy output with EAGLE-3 equals greedy output without it --------------------------------------------
+
+
+def _engine_args(**kw):
+    return dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=96, precompile=False) | kw
+
+
+def _eagle(head, k=3):
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": k, "adaptive": False}
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        motif = rng.integers(3, V, int(rng.integers(2, 5))).tolist()
+        out.append({"prompt_token_ids": (motif * 6)[: int(rng.integers(5, 22))]})
+    return out
+
+
+def _ids(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return LLM(target[0], **_engine_args())
+
+
+@pytest.fixture(scope="module")
+def prompts_and_plain(plain):
+    prompts = _prompts(6, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=k) for k in (None, 1, 0, 2, None, 3)]
+    return prompts, params, _ids(plain.generate(prompts, params, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def rigged_head(prompts_and_plain, tmp_path_factory):
+    """A head that always drafts the target's most frequent greedy token: drafts do get accepted."""
+    _, _, ref = prompts_and_plain
+    counts = np.bincount([t for r in ref for t in r[0]], minlength=V)
+    path = str(tmp_path_factory.mktemp("rigged"))
+    make_head(path, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)), norm_before_residual=True)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "hf"])
+def test_greedy_with_eagle3_equals_plain_mixed_k(target, prompts_and_plain, tmp_path, fmt):
+    make_head(str(tmp_path), fmt, seed=11, norm_before_fc=fmt == "speculators")
+    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(str(tmp_path))))
+    prompts, params, ref = prompts_and_plain
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    eng = llm.llm_engine
+    assert sum(eng.spec.metrics.num_drafts) > 50
+    eng.block_manager.check()
+    assert eng.block_manager.num_used_pages == 0
+    # every step compiled one target executable per bucket and one head executable per bucket, nothing else
+    assert eng.proposer.num_compiles <= eng.runner.num_compiles
+
+
+def test_accepted_drafts_and_preemption(target, prompts_and_plain, rigged_head):
+    prompts, params, ref = prompts_and_plain
+    llm = LLM(target[0], **_engine_args(num_pages=20, max_model_len=64, speculative_config=_eagle(rigged_head, 4)))
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    eng = llm.llm_engine
+    m = eng.spec.metrics
+    assert eng.scheduler.num_preemptions > 0
+    assert sum(m.num_accepted) > 5 and m.num_accepted[1] > 0, m.as_dict()  # multi-token accepts happened
+    eng.block_manager.check()
+    assert eng.block_manager.num_used_pages == 0
+
+
+def test_prefix_cache_hits_and_aborts_during_verification(target, rigged_head, prompts_and_plain, plain):
+    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head, 3)))
+    eng = llm.llm_engine
+    prompts, params, ref = prompts_and_plain
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    hits = eng.block_manager.num_prefix_hits
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref  # second time from the prefix cache
+    assert eng.block_manager.num_prefix_hits > hits
+    rng = np.random.default_rng(0)
+    for i, p in enumerate(_prompts(8, seed=21)):
+        eng.add_request(f"ab-{i}", p, SamplingParams(temperature=0.7, seed=i, max_tokens=30, ignore_eos=True))
+    live, steps = {f"ab-{i}" for i in range(8)}, 0
+    while eng.has_unfinished_requests():
+        drafting = [s.request_id for s in eng.scheduler.running if s.spec_token_ids]
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+        steps += 1
+        if steps % 3 == 0 and live:  # abort a request that just verified drafts, when there is one
+            victim = next((r for r in drafting if r in live), sorted(live)[int(rng.integers(len(live)))])
+            assert eng.abort_request(victim).finished
+            live.discard(victim)
+        eng.block_manager.check()
+    assert eng.block_manager.num_used_pages == 0 and not eng.scheduler.running and not eng.scheduler.waiting
