@@ -26,7 +26,7 @@ from jaxserve.sampler import MAX_BANNED, SamplingInputs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, ScheduledWork
 from jaxserve.sequence import Sequence
-from jaxserve.spec_decode import SpecController, make_proposer
+from jaxserve.spec_decode import SpecController, make_proposer, target_hidden_layer_ids
 from jaxserve.spec_decode.rejection import NO_DRAFT, accepted_length
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -90,7 +90,8 @@ class LLMEngine:
         self.config = engine_config
         weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(dtype), ckpt.path)
         del ckpt
-        self.runner = ModelRunner(self.model_config, engine_config, weights, dtype)
+        hidden_ids = target_hidden_layer_ids(engine_config.speculative_config, self.model_config)
+        self.runner = ModelRunner(self.model_config, engine_config, weights, dtype, hidden_layer_ids=hidden_ids)
         if engine_config.precompile:
             self.runner.warmup()
         self.block_manager = BlockManager(
@@ -103,7 +104,7 @@ class LLMEngine:
         self.spec: SpecController | None = None
         if engine_config.speculative_config is not None:
             self.spec = SpecController(engine_config.speculative_config, engine_config.token_buckets)
-            self.proposer = make_proposer(engine_config.speculative_config, engine_config, self.model_config)
+            self.proposer = make_proposer(engine_config.speculative_config, engine_config, self.model_config, self.runner)
             if engine_config.precompile:
                 self.proposer.warmup()
         self.requests: dict[str, Request] = {}
@@ -229,6 +230,8 @@ class LLMEngine:
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         base = sum(min(s.num_uncomputed_tokens, self.config.max_num_batched_tokens) for s in running)
         k_step = self.spec.choose_k(min(base, self.config.max_num_batched_tokens), len(decoding))
+        after_step = getattr(self.proposer, "drafts_after_step", False)
+        made = {seq.seq_id: seq.spec_token_ids for seq in decoding} if after_step else {}
         for seq in running:
             seq.spec_token_ids = []
         for seq in decoding:
@@ -236,7 +239,9 @@ class LLMEngine:
             k = k_step if p.num_speculative_tokens is None else min(k_step, p.num_speculative_tokens)
             # Never propose past the request's end: at most k drafts + 1 token may still be emitted.
             k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.config.max_model_len - seq.num_tokens - 1)
-            if k > 0 and self.proposer.drafts_after_scheduling:
+            if after_step:
+                seq.spec_token_ids = made[seq.seq_id][: max(k, 0)]  # drafted at the end of the previous step
+            elif k > 0 and self.proposer.drafts_after_scheduling:
                 seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
             elif k > 0:
                 seq.spec_token_ids = self.proposer.propose(seq.token_ids, k)
@@ -333,6 +338,8 @@ class LLMEngine:
     def _postprocess(self, work: list[ScheduledWork], out: dict[str, np.ndarray]) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, Request] = {}
+        starts = [w.seq.num_computed_tokens for w in work]
+        finished: list[Sequence] = []
         rows = itertools.accumulate((1 + w.num_draft for w in work), initial=0)
         for w, row0 in zip(work, rows):
             seq = w.seq
@@ -362,7 +369,12 @@ class LLMEngine:
             seq.spec_token_ids = []
             self.block_manager.register_computed(seq)
             if seq.is_finished:
-                self.scheduler.finish(seq)
+                finished.append(seq)
+        if self.spec is not None and getattr(self.proposer, "drafts_after_step", False):
+            # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
+            self.proposer.after_step(work, starts, self.runner.last_hidden)
+        for seq in finished:
+            self.scheduler.finish(seq)
         outputs = [self._request_output(req) for req in touched.values()]
         for o in outputs:
             if o.finished:

@@ -82,23 +82,42 @@ def step_fn(
     packed: jax.Array,  # i32[*]  StepInputs + SamplingInputs (+ prompt_targets), see `layout`
     *,
     layout: Layout,
-) -> tuple[tuple[jax.Array, jax.Array | None], KVCache]:
+    hidden_layer_ids: tuple[int, ...] = (),
+):
+    """-> ((sampled, prompt logprobs | None), kv), or with `hidden_layer_ids` ((sampled, prompt logprobs | None,
+    aux f[T, len(ids) * D]), kv): the residual streams entering those layers, concatenated per token (EAGLE-3)."""
     a = layout.unpack(packed)
     inputs = StepInputs(**{k: a[k] for k in _STEP_FIELDS})
     sampling = SamplingInputs(**{k: a[k] for k in _SAMPLING_FIELDS})
-    h, kv, _ = forward(model_cfg, weights, kv, inputs)
+    h, kv, hidden = forward(model_cfg, weights, kv, inputs, hidden_layer_ids=hidden_layer_ids)
     draft_ids = a.get("draft_ids")  # i32[R] speculative verify rows (engines with speculation only)
     if "prompt_targets" not in a:
         logits = compute_logits(weights, h[inputs.logits_indices])
-        return (_pack_sampled(sample(logits, sampling, max_logprobs=max_logprobs, draft_ids=draft_ids)), None), kv
-    all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
-    sampled = sample(all_logits[inputs.logits_indices], sampling, max_logprobs=max_logprobs, draft_ids=draft_ids)
-    return (_pack_sampled(sampled), prompt_logprobs(all_logits, a["prompt_targets"], max_logprobs)), kv
+        out = (_pack_sampled(sample(logits, sampling, max_logprobs=max_logprobs, draft_ids=draft_ids)), None)
+    else:
+        all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
+        sampled = sample(all_logits[inputs.logits_indices], sampling, max_logprobs=max_logprobs, draft_ids=draft_ids)
+        out = (_pack_sampled(sampled), prompt_logprobs(all_logits, a["prompt_targets"], max_logprobs))
+    if hidden_layer_ids:
+        T = hidden.shape[1]
+        out += (jnp.transpose(hidden, (1, 0, 2)).reshape(T, -1),)
+    return out, kv
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, host_weights: Weights, dtype: str):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        engine_cfg: EngineConfig,
+        host_weights: Weights,
+        dtype: str,
+        hidden_layer_ids: tuple[int, ...] = (),
+    ):
+        """`hidden_layer_ids`: also output the residual streams entering these layers (EAGLE-3 features); after
+        each `run` they stay on device as `self.last_hidden`, f[T, len(ids) * D] in the step's token order."""
         self.model_cfg = model_cfg
+        self.hidden_layer_ids = tuple(hidden_layer_ids)
+        self.last_hidden: jax.Array | None = None
         self.engine_cfg = engine_cfg
         self.dtype = jnp.dtype(dtype)
         self.kv_dtype = jnp.dtype(kv_storage_dtype(engine_cfg.kv_cache_dtype, dtype))
@@ -116,7 +135,7 @@ class ModelRunner:
         )
         self.kv = init_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype)
         self._jitted = jax.jit(
-            functools.partial(step_fn, model_cfg, engine_cfg.max_logprobs),
+            functools.partial(step_fn, model_cfg, engine_cfg.max_logprobs, hidden_layer_ids=self.hidden_layer_ids),
             static_argnames=("layout",),
             donate_argnames=("kv",),
         )
@@ -198,7 +217,9 @@ class ModelRunner:
         if with_prompt:
             arrays["prompt_targets"] = prompt_targets
         packed = jax.device_put(self.layout(bucket, with_prompt).pack(arrays))
-        (sampled, prompt_lp), self.kv = exe(self.weights, self.kv, packed)
+        out, self.kv = exe(self.weights, self.kv, packed)
+        sampled, prompt_lp = out[:2]
+        self.last_hidden = out[2] if self.hidden_layer_ids else None
         k = self.engine_cfg.max_logprobs
         sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
         return unpack_sampled(sampled, k), (unpack_prompt_logprobs(prompt_lp, k) if with_prompt else None)

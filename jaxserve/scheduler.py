@@ -50,6 +50,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        spec = cfg.speculative_config
+        self._reuse_one_page_less = spec is not None and spec.method == "eagle3"
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
@@ -89,6 +91,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hit = self.block_manager.reuse_prefix(seq)
+            if hit and self._reuse_one_page_less:
+                # EAGLE-3: the head's KV at a cached page's last slot pairs it with the token after the page, which
+                # this sequence need not share; recompute the last cached page (see spec_decode/eagle3.py).
+                hit -= self.block_manager.page_size
+                self.block_manager.trim(seq, hit)
+                seq.num_computed_tokens = hit
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self.block_manager.free(seq)  # the prefix pages go back to the cache untouched

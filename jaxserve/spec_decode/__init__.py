@@ -19,19 +19,35 @@ import bisect
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer
 
-__all__ = ["NgramProposer", "SpecController", "SpecMetrics", "make_proposer"]
+__all__ = ["NgramProposer", "SpecController", "SpecMetrics", "make_proposer", "target_hidden_layer_ids"]
 
 
-def make_proposer(cfg: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig):
+def target_hidden_layer_ids(cfg: SpeculativeConfig | None, target: ModelConfig) -> tuple[int, ...]:
+    """Target layers whose input residual stream the proposer consumes (EAGLE-3), () for the others. The engine
+    asks before building its runner, so the target step can output them."""
+    if cfg is None or cfg.method != "eagle3":
+        return ()
+    from jaxserve.loader.eagle3 import read_eagle3_config
+
+    return read_eagle3_config(cfg.model, target).aux_layer_ids
+
+
+def make_proposer(cfg: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig, runner=None):
     """Proposers share one interface: `drafts_after_scheduling` (False: `propose(token_ids, k)` before the
     scheduler runs; True: `propose(work)` fills the drafts of scheduled sequences into reserved pages),
-    `verified(seq, num_tokens_before, num_draft, num_accepted)` and `warmup()`."""
+    `drafts_after_step` (True: `after_step(work, starts, hidden)` drafts for the next step from this step's target
+    features, `runner.last_hidden`, leaving them in seq.spec_token_ids), `verified(seq, num_tokens_before,
+    num_draft, num_accepted)` and `warmup()`. `runner` is the target's ModelRunner (EAGLE-3 shares its embedding)."""
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "draft_model":
         from jaxserve.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(cfg, engine_cfg, target)
+    if cfg.method == "eagle3":
+        from jaxserve.spec_decode.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer(cfg, engine_cfg, target, runner)
     raise ValueError(f"unknown speculative method {cfg.method!r}")
 
 
