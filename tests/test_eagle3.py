@@ -187,12 +187,13 @@ def test_head_forward_matches_torch_reference(target, tmp_path, fmt, flags):
     jin = jax.tree.map(jnp.asarray, inputs)
     from jaxserve.batch import StepInputs
 
-    h, normed, kv = eagle3_forward(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))), from_target=True)
+    fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames="from_target")
+    h, normed, kv = fwd(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))), from_target=True)
     np.testing.assert_allclose(np.asarray(h[:T]), ref_h.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(draft_logits(hw, normed[:T])), ref_logits.numpy(), rtol=1e-4, atol=1e-4)
     b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
     jin = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([tokens[T]], T, pages)], b1, ps))
-    h2, normed2, kv = eagle3_forward(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), h[T - 1 : T], from_target=False)
+    h2, normed2, kv = fwd(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), h[T - 1 : T], from_target=False)
     np.testing.assert_allclose(np.asarray(h2[0]), ref_h2[-1].numpy(), rtol=1e-4, atol=1e-4)
     logits2 = draft_logits(hw, normed2)
     np.testing.assert_allclose(np.asarray(logits2[0]), ref_logits2[-1].numpy(), rtol=1e-4, atol=1e-4)
@@ -257,7 +258,9 @@ def test_malformed_heads_fail_clearly(target, tmp_path):
 
 
 def _engine_args(**kw):
-    return dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=96, precompile=False) | kw
+    # few buckets: every engine here compiles (and the persistent cache keeps) the same handful of executables
+    return dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), page_size=4, max_model_len=64,
+                precompile=False) | kw
 
 
 def _eagle(head, k=3):
@@ -295,13 +298,13 @@ def rigged_head(prompts_and_plain, tmp_path_factory):
     _, _, ref = prompts_and_plain
     counts = np.bincount([t for r in ref for t in r[0]], minlength=V)
     path = str(tmp_path_factory.mktemp("rigged"))
-    make_head(path, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)), norm_before_residual=True)
+    make_head(path, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)))
     return path
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "hf"])
 def test_greedy_with_eagle3_equals_plain_mixed_k(target, prompts_and_plain, tmp_path, fmt):
-    make_head(str(tmp_path), fmt, seed=11, norm_before_fc=fmt == "speculators")
+    make_head(str(tmp_path), fmt, seed=11)
     llm = LLM(target[0], **_engine_args(speculative_config=_eagle(str(tmp_path))))
     prompts, params, ref = prompts_and_plain
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
@@ -315,7 +318,7 @@ def test_greedy_with_eagle3_equals_plain_mixed_k(target, prompts_and_plain, tmp_
 
 def test_accepted_drafts_and_preemption(target, prompts_and_plain, rigged_head):
     prompts, params, ref = prompts_and_plain
-    llm = LLM(target[0], **_engine_args(num_pages=20, max_model_len=64, speculative_config=_eagle(rigged_head, 4)))
+    llm = LLM(target[0], **_engine_args(num_pages=20, speculative_config=_eagle(rigged_head)))
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
     eng = llm.llm_engine
     m = eng.spec.metrics
@@ -326,7 +329,7 @@ def test_accepted_drafts_and_preemption(target, prompts_and_plain, rigged_head):
 
 
 def test_prefix_cache_hits_and_aborts_during_verification(target, rigged_head, prompts_and_plain, plain):
-    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head, 3)))
+    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head)))
     eng = llm.llm_engine
     prompts, params, ref = prompts_and_plain
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
@@ -349,3 +352,40 @@ def test_prefix_cache_hits_and_aborts_during_verification(target, rigged_head, p
             live.discard(victim)
         eng.block_manager.check()
     assert eng.block_manager.num_used_pages == 0 and not eng.scheduler.running and not eng.scheduler.waiting
+
+
+def test_drafts_follow_the_pairing_convention(target, tmp_path):
+    """The proposer's drafts equal the torch reference fed HF's features: (f_p, t_{p+1}) at position p for every
+    token so far, then drafts 2..K from the head's own hidden state. Two requests share each ragged step."""
+    tpath, model = target
+    w = make_head(str(tmp_path), "speculators", seed=5, norm_output=True)
+    llm = LLM(tpath, **_engine_args(speculative_config=_eagle(str(tmp_path))))
+    eng = llm.llm_engine
+    embed = model.model.embed_tokens.weight.detach().numpy()
+    prompts = [p["prompt_token_ids"] for p in _prompts(2, seed=8)]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    captured = {}
+    model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
+    d2t = w["d2t"]
+    checked = 0
+    for _ in range(6):
+        eng.step()
+        for seq in eng.scheduler.running:
+            if not seq.spec_token_ids:
+                continue
+            toks = seq.token_ids
+            with torch.no_grad():
+                hs = model(torch.tensor([toks[:-1]]), output_hidden_states=True).hidden_states
+            per_layer = [captured["last"][0] if i == L else hs[i][0] for i in AUX_IDS]
+            feats = torch.cat(per_layer, -1).numpy()  # f_p for p = 0 .. n-2
+            inputs, extra, drafts = list(toks[1:]), None, []
+            for _ in range(len(seq.spec_token_ids)):
+                h, logits = torch_eagle3(w, feats, inputs, embed, "layers.0.", {"norm_output": True}, extra)
+                d = int(torch.argmax(logits[-1]))
+                drafts.append(d + int(d2t[d]))
+                inputs.append(drafts[-1])
+                extra = h[-1:] if extra is None else torch.cat([extra, h[-1:]])
+            assert seq.spec_token_ids == drafts
+            checked += 1
+    assert checked >= 6
