@@ -8,6 +8,32 @@ import logging
 import sys
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _engine_flags(args: argparse.Namespace) -> dict:
+    """Engine options from the command line (None = not given)."""
+    return {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "page_size": args.page_size,
+        "num_pages": args.num_pages,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "speculative_config": args.speculative_config,
+        "precompile": args.precompile,
+    }
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU")
@@ -17,6 +43,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"])
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}\'',
+    )
     p.add_argument(
         "--precompile",
         action=argparse.BooleanOptionalAction,
@@ -38,17 +72,8 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        enable_prefix_caching=args.enable_prefix_caching,
-        precompile=bool(args.precompile),
-    )
+    flags = {k: v for k, v in _engine_flags(args).items() if v is not None}
+    llm = LLM(args.model, **(flags | {"precompile": bool(args.precompile)}))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompt: pass --prompt TEXT (repeatable) or pipe prompts on stdin, one per line")
@@ -74,16 +99,7 @@ def _serve(args: argparse.Namespace, parser_defaults: dict) -> int:
     from service.server import ServerConfig, serve
 
     # Engine options: the YAML config (if any), then every engine flag given explicitly on the command line.
-    flags = {
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "page_size": args.page_size,
-        "num_pages": args.num_pages,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "precompile": args.precompile,
-    }
+    flags = _engine_flags(args)
     values = {}
     if args.config:
         import yaml

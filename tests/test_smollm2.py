@@ -59,6 +59,22 @@ def test_cli_generate():
     assert record["text"] == " Paris.\n\nThe" and record["token_ids"] == [7042, 30, 198, 198, 504]
 
 
+def test_cli_generate_with_speculation_and_int8_kv():
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "The capital of France is", "--max-tokens", "5",
+         "--json", "--speculative-config", spec, "--kv-cache-dtype", "int8"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == [7042, 30, 198, 198, 504]
+    bad = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "x", "--speculative-config", "{method: ngram}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2 and "not valid JSON" in bad.stderr
+
+
 def test_cli_reports_bad_model_path():
     r = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "generate", "--model", "/no/such/model", "--prompt", "hi"],
