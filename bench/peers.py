@@ -22,6 +22,7 @@ from bench.common import CACHE_DIR, ROOT
 
 EOS_IDS = (2,)  # SmolLM2's <|im_end|>/<|endoftext|> id, biased away for servers without ignore_eos
 VLLM_VENV = os.path.join(ROOT, ".venv", "peers", "vllm")
+RESULT_PREFIX = "BENCH_RESULT "  # bench/vllm_worker.py's result line
 
 
 def has_module(name: str) -> bool:
@@ -149,7 +150,8 @@ def run_vllm_worker(job: dict, timeout_s: float = 3600) -> tuple[dict | None, st
     job = {"model": hf_dir, "dtype": vllm_dtype(), **job}
     r = subprocess.run([py, os.path.join(ROOT, "bench", "vllm_worker.py")], input=json.dumps(job), text=True,
                        capture_output=True, env={**os.environ, **vllm_env()}, timeout=timeout_s)
-    last = r.stdout.strip().splitlines()[-1:] if r.stdout.strip() else []
-    if r.returncode != 0 or not last or not last[0].startswith("{"):
-        return None, f"vLLM worker failed (status {r.returncode}): {r.stderr[-800:]}"
-    return json.loads(last[0]), ""
+    found = [ln[len(RESULT_PREFIX):] for ln in r.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if r.returncode != 0 or not found:
+        tail = (r.stderr.strip() or r.stdout.strip())[-600:]
+        return None, f"vLLM worker failed (status {r.returncode}, no result line): {tail}"
+    return json.loads(found[-1]), ""

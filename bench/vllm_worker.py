@@ -1,7 +1,7 @@
 """vLLM side of the offline benchmarks; runs inside the vLLM venv (no jaxserve import), driven by bench/peers.py.
 
-stdin: one JSON job {"model", "dtype", "max_model_len", "max_num_seqs", "mode", ...}; the last stdout line is the
-JSON result. Modes:
+stdin: one JSON job {"model", "dtype", "max_model_len", "max_num_seqs", "mode", ...}; stdout: the JSON result on the
+line that starts with RESULT_PREFIX. Modes:
 - "throughput": {"requests": [[prompt_token_ids, output_len], ...], "rounds"}: every request in one generate call,
   greedy, EOS ignored, once per round (a warm-up first); wall time per round.
 - "decode": {"prompt_token_ids", "new_tokens", "rounds"}: single-stream decode rate from t(new_tokens) - t(1) on
@@ -11,6 +11,8 @@ JSON result. Modes:
 import json
 import sys
 import time
+
+RESULT_PREFIX = "BENCH_RESULT "  # vLLM logs to stdout too: the result is the line with this prefix
 
 
 def main() -> None:
@@ -49,7 +51,7 @@ def main() -> None:
         result.update(tok_s=rates)
     else:
         raise SystemExit(f"unknown mode {job['mode']!r}: expected throughput or decode")
-    print(json.dumps(result), flush=True)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":  # vLLM's engine core spawns processes that re-import this file

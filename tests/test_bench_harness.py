@@ -228,3 +228,23 @@ def test_decode_report_columns_per_engine():
     assert "| 1 | 50.0 | 25.0 | 2.00x | 50.0 | 100.0 | 50% |" in md
     assert "| 4 | 120.0 | – | – | 30.0 | 90.0 | 33% |" in md
     assert "agree on the first 8 of 8" in md and "- vLLM skipped" in md
+
+
+def test_vllm_worker_result_is_found_among_log_lines(monkeypatch, tmp_path):
+    """The vLLM venv's interpreter is faked by a script that logs around the result line, as vLLM does."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n"
+                    'if [ "$1" = "-c" ]; then echo True; exit 0; fi\n'
+                    "cat > /dev/null\n"
+                    "echo 'INFO loading'\n"
+                    "echo 'BENCH_RESULT {\"vllm\": \"fake\", \"tok_s\": [12.5]}'\n"
+                    "echo 'INFO shutting down'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("BENCH_VLLM_PYTHON", str(fake))
+    monkeypatch.setattr(peers, "smollm2_hf_dir", lambda: (str(tmp_path), ""))
+    assert peers.vllm_python() == str(fake) and peers.vllm_missing() is None
+    out, why = peers.run_vllm_worker({"mode": "decode"})
+    assert out == {"vllm": "fake", "tok_s": [12.5]} and why == ""
+    fake.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo True; exit 0; fi\necho "Traceback: boom" >&2; exit 3\n')
+    out, why = peers.run_vllm_worker({"mode": "decode"})
+    assert out is None and "status 3" in why and "boom" in why
