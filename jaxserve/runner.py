@@ -223,3 +223,39 @@ class ModelRunner:
         k = self.engine_cfg.max_logprobs
         sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
         return unpack_sampled(sampled, k), (unpack_prompt_logprobs(prompt_lp, k) if with_prompt else None)
+
+
+class ProposerRunner:
+    """The device side of a proposer with its own jitted step beside the target's (the EAGLE-3 head): owns the
+    proposer's weights and state (its KV cache), compiles one executable per input layout, and per call does one
+    transfer in, one executable call (state donated) and one fetch out.
+
+    `fn(weights, shared, state, device_input, packed, *, layout) -> (out, state)`: `shared` is device data owned
+    elsewhere (the target's embedding), `device_input` an array already on device (the target step's features).
+    """
+
+    def __init__(self, fn, host_weights, state, shared):
+        self.weights = jax.device_put(host_weights)
+        self.state = state
+        self.shared = shared
+        self._jitted = jax.jit(fn, static_argnames=("layout",), donate_argnums=(2,))
+        self._executables: dict[tuple, jax.stages.Compiled] = {}
+        self.num_compiles = 0
+
+    def executable(self, layout: Layout, device_input: jax.ShapeDtypeStruct) -> jax.stages.Compiled:
+        key = (layout, device_input.shape, jnp.dtype(device_input.dtype).name)
+        exe = self._executables.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+            exe = self._jitted.lower(self.weights, self.shared, self.state, device_input, packed, layout=layout).compile()
+            self._executables[key] = exe
+            self.num_compiles += 1
+            logger.info("compiled proposer step for %s in %.1f s", device_input.shape, time.perf_counter() - t0)
+        return exe
+
+    def run(self, layout: Layout, arrays: dict[str, np.ndarray], device_input: jax.Array) -> np.ndarray:
+        exe = self.executable(layout, jax.ShapeDtypeStruct(device_input.shape, device_input.dtype))
+        packed = jax.device_put(layout.pack(arrays))
+        out, self.state = exe(self.weights, self.shared, self.state, device_input, packed)
+        return np.asarray(jax.device_get(out))

@@ -389,3 +389,13 @@ def test_drafts_follow_the_pairing_convention(target, tmp_path):
             assert seq.spec_token_ids == drafts
             checked += 1
     assert checked >= 6
+
+
+def test_precompiled_engine_never_recompiles(target, rigged_head, prompts_and_plain):
+    llm = LLM(target[0], **_engine_args(precompile=True, speculative_config=_eagle(rigged_head)))
+    eng = llm.llm_engine
+    before = (eng.runner.num_compiles, eng.proposer.num_compiles)
+    assert before[1] == len(eng.config.token_buckets) * len(eng.config.page_buckets)
+    prompts, params, ref = prompts_and_plain
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    assert (eng.runner.num_compiles, eng.proposer.num_compiles) == before

@@ -43,6 +43,7 @@ from jaxserve.kv_cache import KVCache, init_kv_cache
 from jaxserve.loader.eagle3 import load_eagle3
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights, draft_logits, eagle3_forward, greedy_target_ids
 from jaxserve.packing import Layout
+from jaxserve.runner import ProposerRunner
 
 logger = logging.getLogger(__name__)
 
@@ -104,23 +105,17 @@ class Eagle3Proposer:
     def __init__(self, spec: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig, runner):
         self.engine_cfg = engine_cfg
         self.k = spec.num_speculative_tokens
-        self.target_runner = runner
-        dtype = jnp.dtype(engine_cfg.dtype)
-        self.cfg, host = load_eagle3(spec.model, target, dtype)
+        self.dtype = jnp.dtype(engine_cfg.dtype)
+        self.cfg, host = load_eagle3(spec.model, target, self.dtype)
         if tuple(runner.hidden_layer_ids) != self.cfg.aux_layer_ids:
             raise ValueError(
                 f"the target runner captures layers {runner.hidden_layer_ids}, the head needs {self.cfg.aux_layer_ids}"
             )
-        self.weights = jax.device_put(host)
         kv_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, engine_cfg.dtype)
-        self.kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages, engine_cfg.page_size, kv_dtype)
-        self._jitted = jax.jit(
-            functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size),
-            static_argnames=("layout",),
-            donate_argnames=("kv",),
-        )
-        self._executables: dict[Bucket, jax.stages.Compiled] = {}
-        self.num_compiles = 0
+        kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages, engine_cfg.page_size, kv_dtype)
+        fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size)
+        self.runner = ProposerRunner(fn, host, kv, shared=runner.weights.embed)
+        self._layouts: dict[Bucket, Layout] = {}
         logger.info(
             "EAGLE-3 head %s: draft vocab %d, target layers %s (input convention)",
             spec.model, self.cfg.draft_vocab_size, list(self.cfg.aux_layer_ids),
@@ -128,9 +123,15 @@ class Eagle3Proposer:
 
     # ---- compilation ----------------------------------------------------------------------------------------
 
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
+
     def _layout(self, b: Bucket) -> Layout:
+        if b in self._layouts:
+            return self._layouts[b]
         T, S, P, R = b.num_tokens, b.num_seqs, b.max_pages, b.rows
-        return Layout.of(
+        self._layouts[b] = Layout.of(
             dict(
                 token_ids=((T,), "int32"),
                 positions=((T,), "int32"),
@@ -145,29 +146,18 @@ class Eagle3Proposer:
                 num_draft=((S,), "int32"),
             )
         )
+        return self._layouts[b]
 
     def _bucket(self, num_tokens: int, num_pages: int) -> Bucket:
         cfg = self.engine_cfg
         return choose_bucket(num_tokens, num_pages, cfg.token_buckets, cfg.page_buckets, cfg.max_num_seqs)
 
-    def _executable(self, b: Bucket) -> jax.stages.Compiled:
-        exe = self._executables.get(b)
-        if exe is None:
-            lay = self._layout(b)
-            D3 = 3 * self.cfg.layer.hidden_size
-            aux = jax.ShapeDtypeStruct((b.num_tokens, D3), jnp.dtype(self.engine_cfg.dtype))
-            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32)
-            embed = self.target_runner.weights.embed
-            exe = self._jitted.lower(self.weights, embed, self.kv, aux, packed, layout=lay).compile()
-            self._executables[b] = exe
-            self.num_compiles += 1
-        return exe
-
     def warmup(self) -> None:
         cfg = self.engine_cfg
         for t in cfg.token_buckets:
             for p in cfg.page_buckets:
-                self._executable(self._bucket(t, p))
+                b = self._bucket(t, p)
+                self.runner.executable(self._layout(b), jax.ShapeDtypeStruct((t, 3 * self.cfg.layer.hidden_size), self.dtype))
 
     # ---- the proposer interface -----------------------------------------------------------------------------
 
@@ -213,10 +203,7 @@ class Eagle3Proposer:
         arrays["draft_pos"][: len(seqs)] = draft_pos
         arrays["num_draft"] = np.zeros(S, np.int32)
         arrays["num_draft"][: len(seqs)] = num_draft
-        exe = self._executable(b)
-        packed = jax.device_put(self._layout(b).pack(arrays))
-        drafts, self.kv = exe(self.weights, self.target_runner.weights.embed, self.kv, aux, packed)
-        if any(num_draft):
-            drafts = np.asarray(jax.device_get(drafts))
-            for i, (seq, k) in enumerate(zip(owners, num_draft)):
+        drafts = self.runner.run(self._layout(b), arrays, aux)  # i32[S, K]
+        for i, (seq, k) in enumerate(zip(owners, num_draft)):
+            if k:
                 seq.spec_token_ids = [int(x) for x in drafts[i, :k]]
