@@ -248,7 +248,8 @@ class ProposerRunner:
         if exe is None:
             t0 = time.perf_counter()
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            exe = self._jitted.lower(self.weights, self.shared, self.state, device_input, packed, layout=layout).compile()
+            lowered = self._jitted.lower(self.weights, self.shared, self.state, device_input, packed, layout=layout)
+            exe = lowered.compile()
             self._executables[key] = exe
             self.num_compiles += 1
             logger.info("compiled proposer step for %s in %.1f s", device_input.shape, time.perf_counter() - t0)

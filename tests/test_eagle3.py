@@ -17,7 +17,7 @@ import torch
 from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
+from jaxserve.batch import ScheduledSeq, StepInputs, build_step_inputs, choose_bucket
 from jaxserve.config import SpeculativeConfig
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
@@ -185,8 +185,6 @@ def test_head_forward_matches_torch_reference(target, tmp_path, fmt, flags):
     b = choose_bucket(T, len(pages), (16,), (4,), 4)
     inputs = build_step_inputs([ScheduledSeq(tokens[:T], 0, pages)], b, ps)
     jin = jax.tree.map(jnp.asarray, inputs)
-    from jaxserve.batch import StepInputs
-
     fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames="from_target")
     h, normed, kv = fwd(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))), from_target=True)
     np.testing.assert_allclose(np.asarray(h[:T]), ref_h.numpy(), rtol=1e-4, atol=1e-4)
@@ -216,8 +214,6 @@ def test_layer_id_conventions_capture_the_same_tensors(target, tmp_path):
     weights = jax.device_put(to_weights(ck.config, ck.tensors, np.float32))
     kv = init_kv_cache(ck.config, 4, 4, jnp.float32)
     bk = choose_bucket(T, 2, (8,), (2,), 2)
-    from jaxserve.batch import StepInputs
-
     inputs = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(tokens, 0, [1, 2])], bk, 4)))
     _, _, hidden = forward(ck.config, weights, kv, inputs, hidden_layer_ids=a)
     with torch.no_grad():

@@ -36,7 +36,9 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 def _read_config(path: str) -> dict:
     fp = os.path.join(path, "config.json")
     if not os.path.isfile(fp):
-        raise FileNotFoundError(f"{path}: no config.json; an EAGLE-3 head is a directory with config.json + *.safetensors")
+        raise FileNotFoundError(
+            f"{path}: no config.json; an EAGLE-3 head is a directory with config.json + *.safetensors"
+        )
     with open(fp) as f:
         try:
             return json.load(f)
@@ -59,6 +61,7 @@ def checkpoint_format(raw: dict, fp: str) -> str:
 
 def read_eagle3_config(path: str, target: ModelConfig) -> Eagle3Config:
     """The head's config, validated against the target it will draft for (cheap: reads config.json only)."""
+    path = os.path.expanduser(path)
     fp = os.path.join(path, "config.json")
     raw = _read_config(path)
     fmt = checkpoint_format(raw, fp)
@@ -68,14 +71,13 @@ def read_eagle3_config(path: str, target: ModelConfig) -> Eagle3Config:
             raise ValueError(f"{fp}: speculators format needs a transformer_layer_config object")
         ids = raw.get("eagle_aux_hidden_state_layer_ids")  # input convention already
         shift = 0
-        flags = {k: bool(raw.get(k, False)) for k in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")}
         target_hidden = raw.get("target_hidden_size") or layer_raw.get("hidden_size")
     else:
         layer_raw = raw
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         shift = 1  # SpecForge output indices -> input convention
-        flags = {k: bool(raw.get(k, False)) for k in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")}
         target_hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
+    flags = {k: bool(raw.get(k, False)) for k in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")}
     layer_raw = {k: v for k, v in layer_raw.items() if k != "architectures"} | {"model_type": "llama"}
     try:
         layer = config_from_hf(layer_raw, fp)
@@ -101,7 +103,8 @@ def read_eagle3_config(path: str, target: ModelConfig) -> Eagle3Config:
         aux = tuple(i + shift for i in ids)
     if not all(0 <= i <= target.num_layers for i in aux):
         raise ValueError(
-            f"{fp}: aux layer ids {list(aux)} (input convention) fall outside the target's 0..{target.num_layers} layers"
+            f"{fp}: aux layer ids {list(aux)} (input convention) fall outside the target's layers "
+            f"0..{target.num_layers}"
         )
     return Eagle3Config(layer=layer, draft_vocab_size=draft_vocab, aux_layer_ids=aux, **flags)
 
@@ -151,12 +154,16 @@ def load_eagle3(path: str, target: ModelConfig, dtype) -> tuple[Eagle3Config, Ea
             raise ValueError(f"{path}: fc_norm is set but tensor fc_norm.weight is missing")
         a = t["fc_norm.weight"]
         if a.size != 3 * D:
-            raise ValueError(f"{path}: tensor fc_norm.weight has shape {tuple(a.shape)}, expected (3, {D}) or ({3 * D},)")
+            raise ValueError(
+                f"{path}: tensor fc_norm.weight has shape {tuple(a.shape)}, expected (3, {D}) or ({3 * D},)"
+            )
         fc_chunk_norm = a.reshape(3, D).astype(dtype)
     if "d2t" in t:
         d2t = np.asarray(t["d2t"])
         if d2t.shape != (Vd,) or not np.issubdtype(d2t.dtype, np.integer):
-            raise ValueError(f"{path}: d2t must be an integer vector of draft_vocab_size {Vd} (got {d2t.dtype}{list(d2t.shape)})")
+            raise ValueError(
+                f"{path}: d2t must be an integer vector of draft_vocab_size {Vd} (got {d2t.dtype}{list(d2t.shape)})"
+            )
         mapped = np.arange(Vd) + d2t
         if mapped.min() < 0 or mapped.max() >= V:
             raise ValueError(f"{path}: d2t maps draft ids outside the target vocabulary [0, {V})")

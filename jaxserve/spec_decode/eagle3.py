@@ -157,7 +157,8 @@ class Eagle3Proposer:
         for t in cfg.token_buckets:
             for p in cfg.page_buckets:
                 b = self._bucket(t, p)
-                self.runner.executable(self._layout(b), jax.ShapeDtypeStruct((t, 3 * self.cfg.layer.hidden_size), self.dtype))
+                aux = jax.ShapeDtypeStruct((t, 3 * self.cfg.layer.hidden_size), self.dtype)
+                self.runner.executable(self._layout(b), aux)
 
     # ---- the proposer interface -----------------------------------------------------------------------------
 
