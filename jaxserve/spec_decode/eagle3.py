@@ -18,7 +18,8 @@ verifies as many as fit its budget. One executable per target bucket, one fetch 
 Pages. The head's cache uses the target's page ids (page p of both caches holds the same positions), so
 allocation, sharing and preemption need nothing new. Draft passes write slots n-1 .. n+K-3; instead of reserving
 pages outside the scheduler, K is capped per sequence so every write lands in a page the sequence already holds
-(K <= pages * page_size - n + 2, so K >= 2 always fits); the cap only bites in the last slots of a page.
+(K <= pages * page_size - n + 2; the held pages cover the n - 1 computed tokens, so K >= 1 always fits); the cap
+only bites in the last slots of a page.
 Rejected drafts' slots are simply overwritten by the next catch-up.
 
 Preemption drops the target KV and with it the head's (both recomputed, and the head catches up along the
