@@ -47,6 +47,8 @@ install_llamacpp() {
   local args="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
   # CUDA only where a GPU is visible: nvcc alone (a CPU machine with the toolkit) fails at "native" architectures.
   if command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; then args="$args -DGGML_CUDA=ON"; fi
+  # sentencepiece: convert_hf_to_gguf.py imports it before it falls back to the tokenizer.json (BPE) path.
+  "${PIP[@]}" sentencepiece
   CMAKE_ARGS="$args" FORCE_CMAKE=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
     "${PIP[@]}" "${sdist}[server]"
   .venv/bin/python -c "import llama_cpp, llama_cpp.server; print('llama_cpp', llama_cpp.__version__)"
