@@ -123,7 +123,7 @@ def _rope(x, pos):  # x [T, heads, HD], HF rotate-half
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def torch_eagle3(w, feats, tokens, embed, lay, flags, extra_hidden=None):
+def torch_eagle3(w, feats, tokens, embed, lay, flags, extra_hidden=None, return_k=False):
     """One causal pass over a single sequence at positions 0..T-1 -> (next hidden, draft-vocab logits). The first
     rows are fed fused target features, `extra_hidden` rows (draft steps) the head's own earlier output."""
     x = _t(feats)
@@ -143,6 +143,7 @@ def torch_eagle3(w, feats, tokens, embed, lay, flags, extra_hidden=None):
     q = _rope((x @ _t(w[lay + "self_attn.q_proj.weight"]).T).reshape(T, NH, HD), pos)
     k = _rope((x @ _t(w[lay + "self_attn.k_proj.weight"]).T).reshape(T, NKV, HD), pos)
     v = (x @ _t(w[lay + "self_attn.v_proj.weight"]).T).reshape(T, NKV, HD)
+    keys = k
     k, v = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)
     o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
     h1 = res + o.transpose(0, 1).reshape(T, D) @ _t(w[lay + "self_attn.o_proj.weight"]).T
@@ -150,6 +151,8 @@ def torch_eagle3(w, feats, tokens, embed, lay, flags, extra_hidden=None):
     act = torch.nn.functional.silu(m @ _t(w[lay + "mlp.gate_proj.weight"]).T) * (m @ _t(w[lay + "mlp.up_proj.weight"]).T)
     out = h1 + act @ _t(w[lay + "mlp.down_proj.weight"]).T
     normed = _rms(out, _t(w["norm.weight"]))
+    if return_k:
+        return keys  # [T, NKV, HD] after RoPE: what the head's KV cache must hold
     return (normed if flags.get("norm_output") else out), normed @ _t(w["lm_head.weight"]).T
 
 
@@ -350,41 +353,75 @@ def test_prefix_cache_hits_and_aborts_during_verification(target, rigged_head, p
     assert eng.block_manager.num_used_pages == 0 and not eng.scheduler.running and not eng.scheduler.waiting
 
 
+def _reference_drafts(model, w, toks, num, flags):
+    """Drafts of the torch reference for a sequence `toks`: HF features f_p (p = 0 .. n-2) paired with t_{p+1}, then
+    each further draft fed the previous one and the head's own last hidden state."""
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda m, a, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        hs = model(torch.tensor([toks[:-1]]), output_hidden_states=True).hidden_states
+    hook.remove()
+    feats = torch.cat([captured["last"][0] if i == L else hs[i][0] for i in AUX_IDS], -1).numpy()
+    embed = model.model.embed_tokens.weight.detach().numpy()
+    inputs, extra, drafts = list(toks[1:]), None, []
+    if num == 0:
+        return torch_eagle3(w, feats, inputs, embed, "layers.0.", flags, return_k=True).numpy()
+    for _ in range(num):
+        h, logits = torch_eagle3(w, feats, inputs, embed, "layers.0.", flags, extra)
+        d = int(torch.argmax(logits[-1]))
+        drafts.append(d + int(w["d2t"][d]))
+        inputs.append(drafts[-1])
+        extra = h[-1:] if extra is None else torch.cat([extra, h[-1:]])
+    return drafts
+
+
+def _check_drafts(eng, model, w, flags, steps):
+    """Step the engine; after each step every running sequence's drafts, and the head's cached keys at all its
+    computed positions, equal the reference."""
+    checked, ps = 0, eng.config.page_size
+    for _ in range(steps):
+        eng.step()
+        for seq in eng.scheduler.running:
+            if seq.spec_token_ids:
+                assert seq.spec_token_ids == _reference_drafts(model, w, seq.token_ids, len(seq.spec_token_ids), flags)
+                checked += 1
+            n = seq.num_computed_tokens
+            ref_k = _reference_drafts(model, w, seq.token_ids[: n + 1], 0, flags)  # pairs at positions 0 .. n-1
+            pos = np.arange(n)
+            cached = np.asarray(eng.proposer.runner.state.k)[0, np.asarray(seq.page_ids)[pos // ps], pos % ps]
+            np.testing.assert_allclose(cached, ref_k, rtol=1e-3, atol=1e-3)
+    return checked
+
+
 def test_drafts_follow_the_pairing_convention(target, tmp_path):
     """The proposer's drafts equal the torch reference fed HF's features: (f_p, t_{p+1}) at position p for every
     token so far, then drafts 2..K from the head's own hidden state. Two requests share each ragged step."""
     tpath, model = target
-    w = make_head(str(tmp_path), "speculators", seed=5, norm_output=True)
-    llm = LLM(tpath, **_engine_args(speculative_config=_eagle(str(tmp_path))))
-    eng = llm.llm_engine
-    embed = model.model.embed_tokens.weight.detach().numpy()
-    prompts = [p["prompt_token_ids"] for p in _prompts(2, seed=8)]
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    captured = {}
-    model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
-    d2t = w["d2t"]
-    checked = 0
-    for _ in range(6):
+    flags = {"norm_output": True}
+    w = make_head(str(tmp_path), "speculators", seed=5, **flags)
+    eng = LLM(tpath, **_engine_args(speculative_config=_eagle(str(tmp_path)))).llm_engine
+    for i, p in enumerate(_prompts(2, seed=8)):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert _check_drafts(eng, model, w, flags, steps=6) >= 6
+
+
+def test_prefix_cache_hit_leaves_the_head_kv_valid(target, tmp_path):
+    """B shares A's first two pages but not the token after them: A's head KV at the last shared slot pairs it with
+    A's next token, so B must recompute that page; B's drafts still equal the reference."""
+    tpath, model = target
+    w = make_head(str(tmp_path), "speculators", seed=6)
+    eng = LLM(tpath, **_engine_args(speculative_config=_eagle(str(tmp_path)))).llm_engine
+    rng = np.random.default_rng(2)
+    a = rng.integers(3, V, 14).tolist()
+    b = a[:8] + [t % (V - 3) + 3 for t in np.add(a[8:], 7)]
+    eng.add_request("a", {"prompt_token_ids": a}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while eng.has_unfinished_requests():
         eng.step()
-        for seq in eng.scheduler.running:
-            if not seq.spec_token_ids:
-                continue
-            toks = seq.token_ids
-            with torch.no_grad():
-                hs = model(torch.tensor([toks[:-1]]), output_hidden_states=True).hidden_states
-            per_layer = [captured["last"][0] if i == L else hs[i][0] for i in AUX_IDS]
-            feats = torch.cat(per_layer, -1).numpy()  # f_p for p = 0 .. n-2
-            inputs, extra, drafts = list(toks[1:]), None, []
-            for _ in range(len(seq.spec_token_ids)):
-                h, logits = torch_eagle3(w, feats, inputs, embed, "layers.0.", {"norm_output": True}, extra)
-                d = int(torch.argmax(logits[-1]))
-                drafts.append(d + int(d2t[d]))
-                inputs.append(drafts[-1])
-                extra = h[-1:] if extra is None else torch.cat([extra, h[-1:]])
-            assert seq.spec_token_ids == drafts
-            checked += 1
-    assert checked >= 6
+    hits = eng.block_manager.num_prefix_hits
+    eng.add_request("b", {"prompt_token_ids": b}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert _check_drafts(eng, model, w, {}, steps=5) >= 4
+    assert eng.block_manager.num_prefix_hits - hits == 4  # two pages matched, the last one recomputed
 
 
 def test_precompiled_engine_never_recompiles(target, rigged_head, prompts_and_plain):
