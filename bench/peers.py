@@ -95,7 +95,7 @@ def llamacpp_gguf() -> tuple[str | None, str]:
             os.replace(out + ".tmp", out)
             return out, "F16 GGUF of the same weights"
         print(f"[peers] F16 GGUF conversion failed, using Q4_1: {r.stderr[-500:]}", flush=True)
-    return default_gguf(), "Q4_1 GGUF (jaxserve runs the same weights dequantized to fp32; no F16 converter found)"
+    return default_gguf(), "Q4_1 GGUF (jaxserve runs the same weights dequantized to fp32; the F16 conversion was not available)"
 
 
 def llama_server_binary() -> str | None:
