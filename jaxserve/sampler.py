@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.layers import argmax
-from jaxserve.spec_decode.rejection import verify_one_hot
+from pallas_kernels import spec_verify
 
 MAX_BANNED = 16  # EOS + stop_token_ids suppressed under min_tokens, per row
 
@@ -149,7 +149,8 @@ def sample(
 
         def verify(scaled, seeds):
             uniform = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(seeds)
-            return verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, jax.vmap(gumbel_row)(seeds))
+            gumbel = jax.vmap(gumbel_row)(seeds)
+            return spec_verify.verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, gumbel)
 
         def verify_greedy(scaled, seeds):
             return greedy, (draft_ids >= 0) & (greedy == draft_ids)

@@ -236,3 +236,39 @@ def test_block_sizes_split_small_batches_only():
     assert 16 * small.num_splits <= 2 * 256
     tiny_vocab = sv.block_sizes_for(num_rows=1, vocab=1000, target_kind="probs")
     assert tiny_vocab.num_splits == 1
+
+
+# ---- the engine's sampler with the kernel in its verify path ---------------------------------------------------------
+
+
+def test_sampler_verify_with_kernel_matches_reference(monkeypatch):
+    """jaxserve.sampler.sample(draft_ids=...) calls the entry (kernel on GPU); forcing the kernel (interpret mode)
+    gives the same tokens and accept flags as the reference path, across sampling settings and greedy rows."""
+    import functools
+
+    from jaxserve import sampler
+
+    R, V = 12, 300
+    h = sampler.SamplingInputs.host_arrays(R, 4)
+    h["temperature"][:] = [0.0, 0.7, 1.0, 1.3] * 3
+    h["top_k"][:] = [0, 0, 5, 0] * 3
+    h["top_p"][:] = [1.0, 0.9, 1.0, 1.0] * 3
+    h["seeds"][:] = np.arange(R, dtype=np.uint32) * 7919 + 1
+    s = sampler.SamplingInputs(**{k: jnp.asarray(v) for k, v in h.items()})
+    logits = jax.random.normal(jax.random.key(4), (R, V)) * 2.0
+    greedy = np.asarray(reference.argmax(logits))
+    draft = np.where(np.arange(R) % 3 == 0, greedy, (greedy + 1 + np.arange(R)) % V).astype(np.int32)
+    draft[5] = reference.NO_DRAFT
+    draft_ids = jnp.asarray(draft)
+
+    def step(lg, s, d):
+        return sampler.sample(lg, s, max_logprobs=1, draft_ids=d)
+
+    expected = jax.jit(step)(logits, s, draft_ids)
+    forced = functools.partial(sv.verify_one_hot, impl="kernel", interpret=True, block_sizes=BlockSizes(64, 2))
+    monkeypatch.setattr(sampler.spec_verify, "verify_one_hot", forced)
+    assert "pallas_call" in str(jax.make_jaxpr(step)(logits, s, draft_ids))
+    got = jax.jit(lambda *a: step(*a))(logits, s, draft_ids)
+    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
+    np.testing.assert_array_equal(got.accepted, expected.accepted)
+    assert np.asarray(expected.accepted).any() and not np.asarray(expected.accepted).all()
