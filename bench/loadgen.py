@@ -41,6 +41,7 @@ class RequestResult:
     latency: float = math.nan  # s, sent -> last byte
     itl: list[float] = field(default_factory=list)  # s, gaps between text chunks
     error: str | None = None
+    finish_reason: str | None = None  # "length" when max_tokens was reached; "stop" = ended early (EOS not ignored)
 
     @property
     def tpot(self) -> float:
@@ -101,6 +102,8 @@ class OpenAICompletionsClient:
                         return res
                     if msg.get("usage"):
                         usage_tokens = msg["usage"].get("completion_tokens", usage_tokens)
+                    for c in msg.get("choices") or ():
+                        res.finish_reason = c.get("finish_reason") or res.finish_reason
                     if any(c.get("text") for c in msg.get("choices") or ()):
                         now = time.perf_counter()
                         if chunks == 0:
@@ -167,6 +170,9 @@ def metrics(results: list[RequestResult], wall_s: float, *, slo_ttft_ms: float |
                 and (slo_e2e_ms is None or r.latency * 1e3 <= slo_e2e_ms))
 
     good = [r for r in ok if meets(r)]
+    finish: dict[str, int] = {}
+    for r in ok:
+        finish[str(r.finish_reason)] = finish.get(str(r.finish_reason), 0) + 1
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -178,6 +184,7 @@ def metrics(results: list[RequestResult], wall_s: float, *, slo_ttft_ms: float |
         completed=len(ok),
         failed=len(results) - len(ok),
         errors=errors,
+        finish_reasons=finish,
         error_examples=sorted({r.error for r in results if not r.ok and r.error})[:3],
         wall_s=wall_s,
         request_throughput=len(ok) / wall_s if wall_s > 0 else math.nan,

@@ -20,7 +20,8 @@ import sys
 
 from bench.common import CACHE_DIR, ROOT
 
-EOS_IDS = (2,)  # SmolLM2's <|im_end|>/<|endoftext|> id, biased away for servers without ignore_eos
+EOS_IDS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|> (both end generation in llama.cpp), biased away for servers
+# without ignore_eos
 VLLM_VENV = os.path.join(ROOT, ".venv", "peers", "vllm")
 RESULT_PREFIX = "BENCH_RESULT "  # bench/vllm_worker.py's result line
 

@@ -95,7 +95,11 @@ async def measure(targets: dict, requests: list[LoadRequest], args) -> dict:
                     out[name][str(rate)].append(m)
                     print(f"[serve] round {rnd} rate {rate:g}/s {name}: {m['completed']}/{m['requests']} ok, "
                           f"{m['output_tok_s']:.1f} out tok/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, "
-                          f"TPOT p50 {m['tpot_ms']['p50']:.1f} ms, errors {m['errors']}", flush=True)
+                          f"TPOT p50 {m['tpot_ms']['p50']:.1f} ms, errors {m['errors']}, "
+                          f"finish {m['finish_reasons']}", flush=True)
+                    if m["finish_reasons"].get("stop"):
+                        print(f"[serve] WARNING {name}: {m['finish_reasons']['stop']} requests stopped before "
+                              "max_tokens (EOS not ignored): its load is lighter than the others'", flush=True)
     finally:
         for c in clients.values():
             await c.__aexit__(None, None, None)
@@ -114,6 +118,7 @@ def make_client(target: dict, args):
 def medians(rounds: list[dict]) -> dict:
     """Median over rounds of the scalar metrics and of each latency percentile."""
     med = {k: statistics.median(m[k] for m in rounds) for k in SCALARS}
+    med["stopped_early"] = statistics.median(m.get("finish_reasons", {}).get("stop", 0) for m in rounds)
     for k in LATENCIES:
         med[k] = {p: statistics.median(m[k][p] for m in rounds) for p in ("p50", "p90", "p99")}
     return med
@@ -139,6 +144,11 @@ def report(record: dict) -> str:
           + f"; server batch {a['max_num_seqs']}. SLO: TTFT <= {a['slo_ttft_ms']:g} ms and "
           f"TPOT <= {a['slo_tpot_ms']:g} ms. Median of {a['rounds']} interleaved round(s).", "",
           md_table(header, rows), ""]
+    early = [f"{name} at {rate} req/s" for name, by_rate in res.items() for rate, m in by_rate.items()
+             if m.get("stopped_early")]
+    if early:
+        md += [f"**Warning:** requests ended before max_tokens (EOS not ignored) for {', '.join(early)}: those rows "
+               "did less work than the others.", ""]
     ratios = ratio_lines(res)
     if ratios:
         md += ["jaxserve / peer in this run (output tok/s; TTFT and TPOT p50 as peer / jaxserve, >1 = jaxserve "

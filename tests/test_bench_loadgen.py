@@ -46,7 +46,8 @@ class MockServer:
             n = body["max_tokens"]
             for i in range(n):
                 await asyncio.sleep(self.delay)
-                chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]}
+                done = "length" if i == n - 1 else None
+                chunk = {"choices": [{"index": 0, "text": f"t{i}", "finish_reason": done}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if body["prompt"] == "midfail":
                     await resp.write(b'data: {"error": {"message": "engine died"}}\n\n')
@@ -100,6 +101,7 @@ def test_all_at_once_streams_every_token_and_runs_concurrently():
     assert body["model"] == "m" and body["temperature"] == 0.0
     m = metrics(results, wall)
     assert (m["completed"], m["failed"], m["output_tokens"]) == (6, 0, 30)
+    assert m["finish_reasons"] == {"length": 6}
     assert m["itl_ms"]["n"] == 24 and m["ttft_ms"]["n"] == 6 and m["tpot_ms"]["n"] == 6
 
 
