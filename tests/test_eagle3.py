@@ -297,8 +297,7 @@ def rigged_head(prompts_and_plain, tmp_path_factory):
     _, _, ref = prompts_and_plain
     counts = np.bincount([t for r in ref for t in r[0]], minlength=V)
     path = str(tmp_path_factory.mktemp("rigged"))
-    make_head(path, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)))
-    return path
+    return path, make_head(path, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)))
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "hf"])
@@ -317,7 +316,7 @@ def test_greedy_with_eagle3_equals_plain_mixed_k(target, prompts_and_plain, tmp_
 
 def test_accepted_drafts_and_preemption(target, prompts_and_plain, rigged_head):
     prompts, params, ref = prompts_and_plain
-    llm = LLM(target[0], **_engine_args(num_pages=20, speculative_config=_eagle(rigged_head)))
+    llm = LLM(target[0], **_engine_args(num_pages=20, speculative_config=_eagle(rigged_head[0])))
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
     eng = llm.llm_engine
     m = eng.spec.metrics
@@ -328,7 +327,7 @@ def test_accepted_drafts_and_preemption(target, prompts_and_plain, rigged_head):
 
 
 def test_prefix_cache_hits_and_aborts_during_verification(target, rigged_head, prompts_and_plain, plain):
-    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head)))
+    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head[0])))
     eng = llm.llm_engine
     prompts, params, ref = prompts_and_plain
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
@@ -364,11 +363,12 @@ def _reference_drafts(model, w, toks, num, flags):
     hook.remove()
     feats = torch.cat([captured["last"][0] if i == L else hs[i][0] for i in AUX_IDS], -1).numpy()
     embed = model.model.embed_tokens.weight.detach().numpy()
+    lay = "layers.0." if "layers.0.hidden_norm.weight" in w else "midlayer."
     inputs, extra, drafts = list(toks[1:]), None, []
     if num == 0:
-        return torch_eagle3(w, feats, inputs, embed, "layers.0.", flags, return_k=True).numpy()
+        return torch_eagle3(w, feats, inputs, embed, lay, flags, return_k=True).numpy()
     for _ in range(num):
-        h, logits = torch_eagle3(w, feats, inputs, embed, "layers.0.", flags, extra)
+        h, logits = torch_eagle3(w, feats, inputs, embed, lay, flags, extra)
         d = int(torch.argmax(logits[-1]))
         drafts.append(d + int(w["d2t"][d]))
         inputs.append(drafts[-1])
@@ -425,10 +425,23 @@ def test_prefix_cache_hit_leaves_the_head_kv_valid(target, tmp_path):
 
 
 def test_precompiled_engine_never_recompiles(target, rigged_head, prompts_and_plain):
-    llm = LLM(target[0], **_engine_args(precompile=True, speculative_config=_eagle(rigged_head)))
+    llm = LLM(target[0], **_engine_args(precompile=True, speculative_config=_eagle(rigged_head[0])))
     eng = llm.llm_engine
     before = (eng.runner.num_compiles, eng.proposer.num_compiles)
     assert before[1] == len(eng.config.token_buckets) * len(eng.config.page_buckets)
     prompts, params, ref = prompts_and_plain
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
     assert (eng.runner.num_compiles, eng.proposer.num_compiles) == before
+
+
+def test_head_kv_stays_valid_through_accepts_and_preemption(target, rigged_head, prompts_and_plain):
+    """With accepted drafts (the catch-up then covers them) and preemptions (the head recomputes along the prefill),
+    the head's cached keys equal the reference at every computed position after every step."""
+    path, w = rigged_head
+    eng = LLM(target[0], **_engine_args(num_pages=20, speculative_config=_eagle(path))).llm_engine
+    prompts, params, _ = prompts_and_plain
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"q{i}", p, sp)
+    while eng.has_unfinished_requests():
+        _check_drafts(eng, target[1], w, {}, steps=1)
+    assert eng.scheduler.num_preemptions > 0 and sum(eng.spec.metrics.num_accepted) > 5
