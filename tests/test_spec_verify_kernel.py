@@ -135,10 +135,11 @@ def test_all_rows_without_drafts_and_all_accepting():
 
 
 def test_table_block_sizes_match_reference():
-    """The launch the entry would choose by itself (table block, automatic splits) at a small shape."""
-    logits, p, q, ids, u, g = make_rows(5000, seed=5, num_random=3)
-    bs = sv.block_sizes_for(num_rows=p.shape[0], vocab=5000, target_kind="probs")
-    assert bs.num_splits == 1  # 5000 / 2048 gives 3 blocks: too few to split
+    """The launches the entry chooses by itself (table blocks, automatic splits) at a real vocabulary size."""
+    V = 49152
+    logits, p, q, ids, u, g = make_rows(V, seed=5, num_random=3)
+    assert sv.block_sizes_for(num_rows=p.shape[0], vocab=V, target_kind="probs").num_splits == 4
+    assert sv.block_sizes_for(num_rows=p.shape[0], vocab=V, target_kind="logits").num_splits == 2
     _assert_same(sv.rejection_sample(p, q, ids, u, g, impl="kernel", interpret=True),
                  reference.rejection_sample(p, q, ids, u, g))
     greedy, is_random = reference.argmax(logits), jnp.ones(ids.shape, bool)
