@@ -102,7 +102,8 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
             note = f"llama-server {os.path.basename(gguf)}, {max_num_seqs} parallel slots"
         elif peers.has_module("llama_cpp.server"):
             cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port",
-                   str(port), "--n_ctx", str(max_model_len), "--n_threads", threads, "--model_alias", "smollm2"]
+                   str(port), "--n_ctx", str(max_model_len), "--n_threads", threads, "--model_alias", "smollm2",
+                   "--interrupt_requests", "False"]  # by default a new request cuts off the streaming one
             note = (f"llama-cpp-python server {os.path.basename(gguf)}: ONE sequence at a time (no parallel slots; "
                     "build llama-server with scripts/install_peers.sh llamaserver)")
         else:
