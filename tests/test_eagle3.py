@@ -376,14 +376,14 @@ def _reference_drafts(model, w, toks, num, flags):
     return drafts
 
 
-def _check_drafts(eng, model, w, flags, steps):
+def _check_drafts(eng, model, w, flags, steps, drafts=True):
     """Step the engine; after each step every running sequence's drafts, and the head's cached keys at all its
     computed positions, equal the reference."""
     checked, ps = 0, eng.config.page_size
     for _ in range(steps):
         eng.step()
         for seq in eng.scheduler.running:
-            if seq.spec_token_ids:
+            if drafts and seq.spec_token_ids:
                 assert seq.spec_token_ids == _reference_drafts(model, w, seq.token_ids, len(seq.spec_token_ids), flags)
                 checked += 1
             n = seq.num_computed_tokens
@@ -443,5 +443,5 @@ def test_head_kv_stays_valid_through_accepts_and_preemption(target, rigged_head,
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"q{i}", p, sp)
     while eng.has_unfinished_requests():
-        _check_drafts(eng, target[1], w, {}, steps=1)
+        _check_drafts(eng, target[1], w, {}, steps=1, drafts=False)  # (its drafts are constant)
     assert eng.scheduler.num_preemptions > 0 and sum(eng.spec.metrics.num_accepted) > 5
