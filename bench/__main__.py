@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     for name, module in SUBCOMMANDS.items():
         mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=(mod.__doc__ or "").split("\n")[0], description=mod.__doc__,
+        summary = " ".join((mod.__doc__ or "").split("\n\n")[0].split()).split(". ")[0]
+        p = sub.add_parser(name, help=summary, description=mod.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_args(p)
         p.set_defaults(run=mod.run)
