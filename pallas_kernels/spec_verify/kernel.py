@@ -76,13 +76,12 @@ def _safe(m):
 def finalize(
     target_kind: str,
     *,
-    max_a, idx_a, max_b, idx_b, any_mass, m, l,  # streamed statistics (scalars in the kernel, [R] in XLA)
+    idx_a, idx_b, any_mass, m, l,  # streamed statistics (scalars in the kernel, [R] in XLA)
     draft_id, greedy, is_random, uniform,  # per-row inputs
     t_d, q_d, g_d,  # target(d) (p(d) or scaled(d)), q(d) (probs kind), g(d) (logits kind)
 ):
     """(token, accepted) from the streamed statistics: the last lines of `reference.rejection_sample` /
     `reference.verify_one_hot`. Works on scalars (inside the kernel) and on [R] arrays (split epilogue)."""
-    del max_a, max_b
     has_draft = draft_id >= 0
     d = jnp.maximum(draft_id, 0)
     if target_kind == "probs":
@@ -166,8 +165,7 @@ def _verify_kernel(
         q_d = (draft_ref[d] if has_q else jnp.float32(1.0)) if target_kind == "probs" else jnp.float32(0.0)
         g_d = gumbel_ref[d] if target_kind == "logits" else jnp.float32(0.0)
         token, accepted = finalize(
-            target_kind, max_a=max_a, idx_a=idx_a, max_b=max_b, idx_b=idx_b, any_mass=any_mass, m=m, l=l,
-            draft_id=draft_id, greedy=meta_ref[1], is_random=meta_ref[2], uniform=uniform_ref[0],
+            target_kind, idx_a=idx_a, idx_b=idx_b, any_mass=any_mass, m=m, l=l, draft_id=draft_id, greedy=meta_ref[1], is_random=meta_ref[2], uniform=uniform_ref[0],
             t_d=t_d, q_d=q_d, g_d=g_d,
         )
         (out_ref,) = out_refs
@@ -180,11 +178,11 @@ def _verify_kernel(
 
 
 def _combine_first_max(vals, idx):
-    """Over splits (axis 1, increasing index ranges): the max and the index held by the first split reaching it."""
+    """Over splits (axis 1, increasing index ranges): the index held by the first split reaching the max."""
     best = jnp.max(vals, axis=1)
     num_splits = vals.shape[1]
     first = jnp.min(jnp.where(vals == best[:, None], jnp.arange(num_splits), num_splits), axis=1)
-    return best, jnp.take_along_axis(idx, first[:, None], axis=1)[:, 0]
+    return jnp.take_along_axis(idx, first[:, None], axis=1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("target_kind", "block_sizes", "interpret", "debug"))
@@ -249,8 +247,8 @@ def spec_verify_kernel(
         return out[:, 0], out[:, 1] > 0
 
     f, i = out
-    max_a, idx_a = _combine_first_max(f[..., 0], i[..., 0])
-    max_b, idx_b = _combine_first_max(f[..., 1], i[..., 1])
+    idx_a = _combine_first_max(f[..., 0], i[..., 0])
+    idx_b = _combine_first_max(f[..., 1], i[..., 1])
     any_mass = jnp.max(i[..., 2], axis=1)
     m = jnp.max(f[..., 2], axis=1)
     l = jnp.sum(f[..., 3] * jnp.exp(f[..., 2] - _safe(m)[:, None]), axis=1)
@@ -259,7 +257,6 @@ def spec_verify_kernel(
     q_d = jnp.take_along_axis(draft_probs, d, axis=1)[:, 0] if has_q else jnp.ones((R,), jnp.float32)
     g_d = jnp.take_along_axis(gumbel, d, axis=1)[:, 0]
     return finalize(
-        target_kind, max_a=max_a, idx_a=idx_a, max_b=max_b, idx_b=idx_b, any_mass=any_mass, m=m, l=l,
-        draft_id=draft_ids, greedy=greedy, is_random=is_random.astype(jnp.int32), uniform=uniform,
+        target_kind, idx_a=idx_a, idx_b=idx_b, any_mass=any_mass, m=m, l=l, draft_id=draft_ids, greedy=greedy, is_random=is_random.astype(jnp.int32), uniform=uniform,
         t_d=t_d, q_d=q_d, g_d=g_d,
     )
