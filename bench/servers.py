@@ -98,19 +98,21 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
         threads = str(os.cpu_count() or 2)
         if binary:  # the native server: continuous batching over parallel slots
             cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(max_num_seqs),
-                   "-c", str(max_num_seqs * max_model_len), "-t", threads, "--no-webui"]
+                   "-c", str(max_num_seqs * max_model_len), "-t", threads, "--alias", "smollm2"]
             note = f"llama-server {os.path.basename(gguf)}, {max_num_seqs} parallel slots"
+            extra, health = {"ignore_eos": True}, url + "/health"  # 503 while loading, 200 when ready
         elif peers.has_module("llama_cpp.server"):
             cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port",
                    str(port), "--n_ctx", str(max_model_len), "--n_threads", threads, "--model_alias", "smollm2",
                    "--interrupt_requests", "False"]  # by default a new request cuts off the streaming one
             note = (f"llama-cpp-python server {os.path.basename(gguf)}: ONE sequence at a time (no parallel slots; "
                     "build llama-server with scripts/install_peers.sh llamaserver)")
+            # no ignore_eos in llama-cpp-python: bias the end tokens away instead
+            extra, health = {"logit_bias": {str(t): -100.0 for t in peers.EOS_IDS}}, url + "/v1/models"
         else:
             return None, "llama.cpp not installed (scripts/install_peers.sh llamacpp)"
-        proc, why = _launch(name, cmd, {}, log_dir, url + "/v1/models", timeout_s)
-        eos = {"logit_bias": {str(t): -100.0 for t in peers.EOS_IDS}}
-        return (Server(name, url, "smollm2", eos, proc, note), note) if proc else (None, why)
+        proc, why = _launch(name, cmd, {}, log_dir, health, timeout_s)
+        return (Server(name, url, "smollm2", extra, proc, note), note) if proc else (None, why)
     if name == "vllm":
         py = peers.vllm_python()
         if py is None:
