@@ -86,9 +86,13 @@ def forward(
     x = weights.embed[inputs.token_ids]  # [T, D]
     meta = attention.token_metadata(inputs)
 
+    ids = jnp.asarray(hidden_layer_ids, jnp.int32)  # [n]
+
     def layer(carry, xs):
-        x, kv = carry
+        x, kv, hidden = carry
         w, i = xs
+        if hidden_layer_ids:  # keep only the chosen layers' inputs: [n, T, D], not every layer's
+            hidden = jnp.where((ids == i)[:, None, None], x[None], hidden)
         with jax.named_scope("attention"):
             q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq)
             kv = write_kv(kv, i, k, v, inputs.slot_mapping)
@@ -96,15 +100,13 @@ def forward(
             h = x + o.reshape(x.shape[0], -1) @ w.wo
         with jax.named_scope("mlp"):
             out = h + gated_mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
-        return (out, kv), (x if hidden_layer_ids else None)
+        return (out, kv, hidden), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv), entering = jax.lax.scan(layer, (x, kv), (weights.layers, layer_ids))
-
-    hidden = None
+    hidden = jnp.zeros((len(hidden_layer_ids), *x.shape), x.dtype) if hidden_layer_ids else None
+    (x, kv, hidden), _ = jax.lax.scan(layer, (x, kv, hidden), (weights.layers, layer_ids))
     if hidden_layer_ids:
-        stack = jnp.concatenate([entering, x[None]], axis=0)  # [L+1, T, D]
-        hidden = stack[jnp.asarray(hidden_layer_ids)]
+        hidden = jnp.where((ids == cfg.num_layers)[:, None, None], x[None], hidden)  # id L: the final output
 
     h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)  # [T, D]
     return h, kv, hidden
