@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "docs", "benchmarks")
 CACHE_DIR = os.environ.get("JAXSERVE_BENCH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "bench"))
+LOG_DIR = os.path.join(CACHE_DIR, "logs")  # servers' logs (server-NAME.log), kept out of the repository
 
 
 # ---------------------------------------------------------------- statistics

@@ -22,7 +22,8 @@ import shlex
 import statistics
 
 from bench import plots
-from bench.common import OUT_DIR, args_record, command_line, machine_info, machine_line, md_table, write_outputs
+from bench.common import (LOG_DIR, OUT_DIR, args_record, command_line, machine_info, machine_line, md_table,
+                          write_outputs)
 from bench.loadgen import LoadRequest, OpenAICompletionsClient, metrics, run_load
 
 SCALARS = ("request_throughput", "output_tok_s", "goodput", "slo_attainment", "failed")
@@ -186,7 +187,7 @@ def run(args) -> dict:
                 print(f"[serve] {name} {notes[name]}", flush=True)
                 continue
             srv, note = servers.start(name, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                      log_dir=args.out, timeout_s=args.server_timeout,
+                                      log_dir=LOG_DIR, timeout_s=args.server_timeout,
                                       jaxserve_args=shlex.split(args.jaxserve_args))
             if srv is None:
                 print(f"[serve] {name} skipped: {note}", flush=True)

