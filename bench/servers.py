@@ -99,7 +99,10 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
         if binary:  # the native server: continuous batching over parallel slots
             cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(max_num_seqs),
                    "-c", str(max_num_seqs * max_model_len), "-t", threads, "--alias", "smollm2"]
-            note = f"llama-server {os.path.basename(gguf)}, {max_num_seqs} parallel slots"
+            ver = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+            version = next((ln.split(":", 1)[1].strip() for ln in (ver.stdout + ver.stderr).splitlines()
+                            if ln.startswith("version:")), "unknown version")
+            note = f"llama-server {version}, {os.path.basename(gguf)}, {max_num_seqs} parallel slots"
             extra, health = {"ignore_eos": True}, url + "/health"  # 503 while loading, 200 when ready
         elif peers.has_module("llama_cpp.server"):
             cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port",
