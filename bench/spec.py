@@ -8,6 +8,8 @@ them). Workload: ShareGPT first turns, greedy, EOS ignored, outputs capped at --
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench spec --rounds 3      # writes docs/benchmarks/spec.{json,md,png}
     python -m bench spec --methods '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    python -m bench spec --model qwen2.5-coder-1.5b.gguf \
+        --methods '{"method": "draft_model", "num_speculative_tokens": 4, "model": "qwen2.5-coder-0.5b.gguf"}'
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 
 from bench import plots
 from bench.common import OUT_DIR, args_record, command_line, machine_info, machine_line, md_table, write_outputs
 
-DEFAULT_METHODS = [
+DEFAULT_METHODS = [  # SmolLM2 has no same-tokenizer draft model or EAGLE-3 head on PyPI: pass those with --methods
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+     "adaptive": False},
 ]
 
 
@@ -143,7 +148,9 @@ def run(args) -> dict:
         pl, ll = _requests(tok, args, args.load_requests, args.num_requests)
         for cfg in methods:
             short = {"num_speculative_tokens": "k", "prompt_lookup_max": "max", "prompt_lookup_min": "min"}
-            label = cfg.get("method", "?") + "".join(f" {short.get(k, k)}={v}" for k, v in cfg.items() if k != "method")
+            label = cfg.get("method", "?") + "".join(
+                f" {short.get(k, k)}={os.path.basename(str(v)) if k == 'model' else v}"
+                for k, v in cfg.items() if k != "method")
             entry = dict(label=label, config=cfg)
             try:
                 spec = LLM(args.model, speculative_config=cfg, **engine_args)
