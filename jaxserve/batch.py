@@ -68,10 +68,14 @@ def choose_bucket(
     page_buckets: tuple[int, ...],
     max_num_seqs: int,
     max_rows_per_seq: int = 1,
+    num_rows: int = 0,
 ) -> Bucket:
+    """The bucket for a step. With speculation (`max_rows_per_seq` = 1 + K) a bucket has two sampling-row variants:
+    one row per sequence for steps without drafts, and room for every verify row; `num_rows` picks the smaller one
+    that fits, so steps without drafts never pay for K extra logits rows per sequence."""
     T = smallest_at_least(token_buckets, num_tokens)
     S = min(T, max_num_seqs)
-    R = min(T, max_num_seqs * max_rows_per_seq) if max_rows_per_seq > 1 else 0
+    R = min(T, max_num_seqs * max_rows_per_seq) if max_rows_per_seq > 1 and num_rows > S else 0
     return Bucket(num_tokens=T, num_seqs=S, max_pages=smallest_at_least(page_buckets, num_pages), num_rows=R)
 
 

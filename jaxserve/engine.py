@@ -296,6 +296,7 @@ class LLMEngine:
             cfg.page_buckets,
             cfg.max_num_seqs,
             1 + cfg.num_speculative_tokens,
+            num_rows=len(work) + sum(w.num_draft for w in work),
         )
         inputs = build_step_inputs(seqs, bucket, cfg.page_size)
         sampling = SamplingInputs.host_arrays(bucket.rows, bucket.max_pages * cfg.page_size)

@@ -145,11 +145,14 @@ class ModelRunner:
 
     def all_buckets(self) -> list[Bucket]:
         cfg = self.engine_cfg
-        return [
-            choose_bucket(t, p, cfg.token_buckets, cfg.page_buckets, cfg.max_num_seqs, 1 + cfg.num_speculative_tokens)
+        k = cfg.num_speculative_tokens
+        rows = (0, cfg.max_num_batched_tokens) if k else (0,)  # with speculation: without and with verify rows
+        return list(dict.fromkeys(
+            choose_bucket(t, p, cfg.token_buckets, cfg.page_buckets, cfg.max_num_seqs, 1 + k, r)
             for t in cfg.token_buckets
             for p in cfg.page_buckets
-        ]
+            for r in rows
+        ))
 
     def layout(self, b: Bucket, prompt_logprobs: bool = False) -> Layout:
         """Where every step input lives in the packed buffers, for bucket `b`."""

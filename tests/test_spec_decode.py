@@ -179,8 +179,9 @@ def test_controller_backs_off_when_speculation_does_not_pay():
         seen.append(k)
         c.record_step(16 + 16 * k, 0.01 * (1 + k))  # cost grows linearly with tokens ...
         c.metrics.record(k, 0) if k else None  # ... and nothing is ever accepted
-    assert set(seen[:4]) == {0, 1, 2, 3}  # each K is tried once
-    assert seen[-50:] == [0] * 50
+    assert any(k > 0 for k in seen[:10])  # speculation is tried ...
+    assert seen[-50:] == [0] * 50  # ... and dropped once measured not to pay
+    assert sum(k > 0 for k in seen) <= 30  # after little exploration (20 drafts per position are enough)
 
     c2 = SpecController(cfg, token_buckets=(1, 2, 4, 8, 16, 32, 64))
     for _ in range(200):
@@ -188,6 +189,14 @@ def test_controller_backs_off_when_speculation_does_not_pay():
         c2.record_step(2 + 2 * k, 0.01)  # verify is free (memory-bound decode) ...
         c2.metrics.record(k, k) if k else None  # ... and everything is accepted
     assert c2.choose_k(2, 2) == 3
+
+    c3 = SpecController(cfg, token_buckets=(1, 2, 4, 8, 16, 32, 64))
+    c3.record_step(16, 0.1)
+    c3.record_step(64, 0.4)  # cost linear in tokens: unmeasured buckets are interpolated, not tried
+    assert c3._cost(32) == pytest.approx(0.2)
+    for _ in range(40):
+        c3.metrics.record(3, 0)  # nothing is accepted at any position
+    assert c3.choose_k(16, 16) == 0
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------------
@@ -241,6 +250,9 @@ def test_greedy_with_ngram_equals_plain(plain, spec):
     assert sum(o.metrics.spec_num_draft_tokens for o in outs) == sum(m.num_drafts)
     assert sum(o.metrics.spec_num_accepted_tokens for o in outs) == sum(m.num_accepted)
     assert 1.0 < m.mean_acceptance_length <= 1 + SPEC["num_speculative_tokens"]
+    used = {b for b, _ in spec.llm_engine.runner._executables}
+    assert any(b.num_rows == 0 for b in used if b.num_tokens > b.num_seqs)  # steps without drafts: 1 row per seq
+    assert any(b.rows > b.num_seqs for b in used)  # verify steps: a row per draft position
     spec.llm_engine.block_manager.check()
     assert spec.llm_engine.block_manager.num_used_pages == 0
 
@@ -302,6 +314,16 @@ def test_aborts_during_verification_leak_nothing(spec):
             live.discard(victim)
         eng.block_manager.check()
     assert eng.block_manager.num_used_pages == 0 and not eng.scheduler.running and not eng.scheduler.waiting
+
+
+def test_precompiled_speculative_engine_never_recompiles(tiny):
+    llm = LLM(tiny, **_engine_args(precompile=True, speculative_config=SPEC | {"adaptive": True}))
+    compiled = llm.llm_engine.runner.num_compiles
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(7, seed=21)]
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=16, ignore_eos=True, logprobs=1) for t in (0, 0.8) * 3 + (0,)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert sum(llm.llm_engine.spec.metrics.num_drafts) > 0
+    assert llm.llm_engine.runner.num_compiles == compiled
 
 
 def test_bad_speculative_config():

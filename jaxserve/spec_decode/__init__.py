@@ -7,7 +7,8 @@ appends the accepted drafts plus one more token and rolls back the rest (KV slot
 simply overwritten later; pages past the sequence's end are freed).
 
 `SpecController` chooses K for each step (and each request may cap it, 0 = no speculation): it keeps the measured
-cost of each step size and the measured acceptance rate per draft position, and picks the K that maximises
+cost of each step size (unmeasured sizes interpolated linearly in tokens) and the measured acceptance rate per draft
+position (optimistic until 20 drafts were seen there, so each position gets tried), and picks the K that maximises
 expected tokens per second, `(1 + sum_i prod_{j<=i} a_j) / cost(tokens with K drafts each)`. K = 0 is always a
 candidate, so with honest measurements speculation never makes a loaded server slower than no speculation.
 """
@@ -111,7 +112,15 @@ class SpecController:
         self.cost[b] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
 
     def _cost(self, num_tokens: int) -> float | None:
-        return self.cost.get(self._bucket(num_tokens))
+        """Seconds per step of `num_tokens` tokens: measured for its bucket, else linear in tokens through the two
+        nearest measured buckets (prefill steps measure large buckets for free); None if fewer than two are known."""
+        b = self._bucket(num_tokens)
+        if b in self.cost:
+            return self.cost[b]
+        if len(self.cost) < 2:
+            return None
+        (b0, c0), (b1, c1) = sorted(sorted(self.cost.items(), key=lambda kv: abs(kv[0] - b))[:2])
+        return max(c0 + (c1 - c0) * (b - b0) / (b1 - b0), min(c0, c1))
 
     def choose_k(self, base_tokens: int, num_decodes: int) -> int:
         """K for this step, given `base_tokens` scheduled without drafts of which `num_decodes` could speculate."""
@@ -128,7 +137,7 @@ class SpecController:
                 expected += survive
             cost = self._cost(base_tokens + num_decodes * k)
             if cost is None:
-                return k  # never measured: try it (explores each step size once)
+                return k  # nothing to estimate from yet: try it
             value = expected / cost
             if best is None or value > best:
                 best_k, best = k, value
