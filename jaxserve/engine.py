@@ -230,7 +230,7 @@ class LLMEngine:
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         base = sum(min(s.num_uncomputed_tokens, self.config.max_num_batched_tokens) for s in running)
         k_step = self.spec.choose_k(min(base, self.config.max_num_batched_tokens), len(decoding))
-        after_step = getattr(self.proposer, "drafts_after_step", False)
+        after_step = self.proposer.drafts_after_step
         made = {seq.seq_id: seq.spec_token_ids for seq in decoding} if after_step else {}
         for seq in running:
             seq.spec_token_ids = []
@@ -371,7 +371,7 @@ class LLMEngine:
             self.block_manager.register_computed(seq)
             if seq.is_finished:
                 finished.append(seq)
-        if self.spec is not None and getattr(self.proposer, "drafts_after_step", False):
+        if self.spec is not None and self.proposer.drafts_after_step:
             # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
             self.proposer.after_step(work, starts, self.runner.last_hidden)
         for seq in finished:

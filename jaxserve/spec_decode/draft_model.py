@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 class DraftModelProposer:
     drafts_after_scheduling = True
+    drafts_after_step = False
 
     def __init__(self, spec: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig):
         import jax.numpy as jnp

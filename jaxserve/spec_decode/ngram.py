@@ -12,6 +12,7 @@ import numpy as np
 
 class NgramProposer:
     drafts_after_scheduling = False  # drafts are known before scheduling (host lookup, no pages needed)
+    drafts_after_step = False
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
