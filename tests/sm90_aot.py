@@ -4,8 +4,6 @@ The CUDA PJRT plugin (`jax-cuda12-plugin` + `jax-cuda12-pjrt`, same version as j
 outside the main environment so that no other process sees it: `scripts/setup.sh --test` installs it into
 `.venv/cuda-aot`. A compile test runs itself as a child script with that folder on its path; the child prints one
 JSON line per configuration (`compile_config`) and the parent collects them (`run_compile_child`).
-
-(tests/test_rpa_compile_sm90.py holds its own copy of the target and runner; it can switch to this module.)
 """
 
 from __future__ import annotations

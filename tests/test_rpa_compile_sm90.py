@@ -9,33 +9,11 @@ and the compiles run in a child process (this file run as a script) with that fo
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLUGIN_DIR = os.environ.get("JAXSERVE_CUDA_AOT_DIR", os.path.join(ROOT, ".venv", "cuda-aot"))
-
-# An H200 as XLA's GPU compiler sees it (sm_90, 132 SMs, 227 KB opt-in shared memory per block).
-H200_TARGET_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: 150000000000 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 7 }
-runtime_version { major: 12 minor: 8 }
-device_description_str: "NVIDIA H200"
-"""
+from sm90_aot import compile_config, h200_spec_factory, run_compile_child
 
 # Production-like shapes per shape class: (num_tokens, num_seqs, max_pages at page_size 16).
 SHAPES = {"decode": (64, 64, 256), "verify": (256, 64, 128), "prefill": (1024, 4, 128)}
@@ -71,19 +49,11 @@ def config_id(c: dict) -> str:
 
 def _compile_all() -> list[dict]:
     """Child process: compile every config for the H200 target; one JSON result per config."""
-    import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from pallas_kernels import ragged_paged_attention as rpa
 
-    topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG, topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-
-    def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()))
-
+    spec = h200_spec_factory()
     results = [_oversized_control(spec)]
     for c in configs():
         T, S, max_pages = SHAPES[c["mode"]]
@@ -108,24 +78,9 @@ def _compile_all() -> list[dict]:
             return rpa.ragged_paged_attention(*a, sm_scale=H**-0.5, impl="kernel", sliding_window=c.get(
                 "sliding_window"), soft_cap=c.get("soft_cap"))
 
-        start = time.perf_counter()
-        try:
-            text = jax.jit(f).lower(*args).compile().as_text() or ""
-            ok, error = "ragged_paged_attention" in text or "triton" in text, ""
-            if not ok:
-                error = "compiled HLO holds no Triton kernel call"
-        except Exception as e:  # noqa: BLE001 - reported per config
-            ok, error = False, f"{type(e).__name__}: {e}"[:3000]
-        results.append(dict(id=config_id(c), ok=ok, error=error, seconds=round(time.perf_counter() - start, 2),
-                            block_sizes=str(block_sizes)))
+        results.append(compile_config(config_id(c), f, args, expect_in_hlo="ragged_paged_attention",
+                                      note=str(block_sizes)))
     return results
-
-
-def _plugin_in_main_env() -> bool:
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def _oversized_control(spec) -> dict:
@@ -145,35 +100,21 @@ def _oversized_control(spec) -> dict:
     try:
         jax.jit(lambda *a: ragged_paged_attention_kernel(*a, sm_scale=0.1, block_sizes=block_sizes)).lower(
             *args).compile()
-        return dict(id="oversized-control", ok=True, error="", seconds=0.0, block_sizes=str(block_sizes))
+        return dict(id="oversized-control", ok=True, error="", seconds=0.0, note=str(block_sizes))
     except Exception as e:  # noqa: BLE001
         return dict(id="oversized-control", ok=False, error=f"{type(e).__name__}: {e}"[:3000], seconds=0.0,
-                    block_sizes=str(block_sizes))
+                    note=str(block_sizes))
 
 
 @pytest.fixture(scope="module")
 def compile_results() -> dict[str, dict]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    if not _plugin_in_main_env():
-        if not os.path.isdir(os.path.join(PLUGIN_DIR, "jax_plugins")):
-            pytest.fail(f"the CUDA PJRT plugin is not installed in {PLUGIN_DIR}: run scripts/setup.sh --test "
-                        "(installs jax-cuda12-plugin and jax-cuda12-pjrt there, matching jaxlib)")
-        env["PYTHONPATH"] = PLUGIN_DIR
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1500)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        pytest.fail(f"compile child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    results = {r["id"]: r for r in map(json.loads, lines)}
-    total = sum(r["seconds"] for r in results.values())
-    print(f"\nsm_90 deviceless compile: {sum(r['ok'] for r in results.values())}/{len(results)} ok, {total:.0f} s")
-    return results
+    return run_compile_child(__file__)
 
 
 @pytest.mark.parametrize("config", configs(), ids=config_id)
 def test_kernel_compiles_for_sm90(config, compile_results):
     result = compile_results[config_id(config)]
-    assert result["ok"], f"{result['id']} ({result['block_sizes']}) did not compile for sm_90:\n{result['error']}"
+    assert result["ok"], f"{result['id']} ({result['note']}) did not compile for sm_90:\n{result['error']}"
 
 
 def test_oversized_tiling_fails_to_compile(compile_results):
