@@ -18,13 +18,12 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.bench_timing import time_call
 from pallas_kernels.ragged_paged_attention import block_sizes_for, ragged_paged_attention, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -98,21 +97,8 @@ def _inputs(shape: Shape, key) -> tuple[list, float, float]:
     return args, float(kv_bytes + q_out_bytes), float(pairs)
 
 
-def _time(f, args, *, min_seconds: float = 0.3) -> float:
-    """Seconds per call: median of 5 timed batches after a warm-up (the launch queue stays full)."""
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    once = max(time.perf_counter() - t, 1e-6)
-    iters = max(1, min(200, int(min_seconds / once)))
-    samples = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t) / iters)
-    return statistics.median(samples)
+def _time(f, args) -> float:
+    return time_call(f, args, min_seconds=0.3, max_iters=200)
 
 
 def measure_hbm_bandwidth(num_bytes: int = 4 << 30) -> dict:

@@ -20,12 +20,11 @@ import dataclasses
 import json
 import os
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.bench_timing import time_call
 from pallas_kernels.spec_verify import block_sizes_for, reference, rejection_sample, verify_one_hot
 from pallas_kernels.spec_verify.kernel import BlockSizes
 
@@ -67,21 +66,8 @@ def _fns(form: str, interpret: bool, block_sizes: BlockSizes | None = None):
             jax.jit(lambda p, d, u, g: reference.rejection_sample(p, None, d, u, g)))
 
 
-def _time(f, args, *, min_seconds: float = 0.2) -> float:
-    """Seconds per call: median of 5 timed batches after a warm-up."""
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    once = max(time.perf_counter() - t, 1e-6)
-    iters = max(1, min(500, int(min_seconds / once)))
-    samples = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t) / iters)
-    return statistics.median(samples)
+def _time(f, args) -> float:
+    return time_call(f, args, min_seconds=0.2, max_iters=500)
 
 
 def measure_hbm_bandwidth(num_bytes: int = 2 << 30) -> float:
