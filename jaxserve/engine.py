@@ -26,7 +26,7 @@ from jaxserve.sampler import MAX_BANNED, SamplingInputs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, ScheduledWork
 from jaxserve.sequence import Sequence
-from jaxserve.spec_decode import SpecController, make_proposer, target_hidden_layer_ids
+from jaxserve.spec_decode import SpecController, make_proposer, proposer_cache_configs, target_hidden_layer_ids
 from jaxserve.spec_decode.rejection import NO_DRAFT, accepted_length
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -58,12 +58,15 @@ class Request:
     texts: list[str] = field(default_factory=list)
 
 
-def resolve_num_pages(engine_cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str) -> int:
+def resolve_num_pages(
+    engine_cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, extra_caches: tuple[ModelConfig, ...] = ()
+) -> int:
     """Pages of the KV cache: as configured, or as many as the memory budget holds at the cache's dtype (so an int8
-    cache holds 4x the pages of a float32 one in the same bytes)."""
+    cache holds 4x the pages of a float32 one in the same bytes). `extra_caches`: models whose caches use the same
+    page ids (a draft model, an EAGLE-3 head), so a page costs their bytes too."""
     if engine_cfg.num_pages is not None:
         return engine_cfg.num_pages
-    per_page = kv_cache_bytes(model_cfg, 1, engine_cfg.page_size, kv_dtype)
+    per_page = sum(kv_cache_bytes(c, 1, engine_cfg.page_size, kv_dtype) for c in (model_cfg, *extra_caches))
     if engine_cfg.kv_cache_memory_bytes is not None:
         return max(2, engine_cfg.kv_cache_memory_bytes // per_page)
     want = 1 + engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq
@@ -80,7 +83,8 @@ class LLMEngine:
         max_model_len = min(engine_config.max_model_len, ckpt.config.max_position_embeddings)
         engine_config = engine_config.replace(dtype=dtype, max_model_len=max_model_len)
         kv_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, dtype)
-        engine_config = engine_config.replace(num_pages=resolve_num_pages(engine_config, ckpt.config, kv_dtype))
+        extra = proposer_cache_configs(engine_config.speculative_config, ckpt.config)
+        engine_config = engine_config.replace(num_pages=resolve_num_pages(engine_config, ckpt.config, kv_dtype, extra))
         if engine_config.num_pages - 1 < engine_config.max_pages_per_seq:
             raise ValueError(
                 f"num_pages={engine_config.num_pages} cannot hold one sequence of max_model_len={max_model_len} "

@@ -382,3 +382,22 @@ def test_draft_model_must_share_the_vocabulary(tiny, tmp_path):
         LLM(tiny, **_engine_args(speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}))
     with pytest.raises(ValueError, match="model"):
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
+
+
+def test_kv_memory_budget_counts_the_draft_models_cache(tiny, other_draft):
+    """The draft model's cache shares the target's page ids, so one page costs both models' bytes: the same
+    kv_cache_memory_bytes holds fewer pages with a draft model than without, and the two caches together fit it."""
+    from jaxserve.config import kv_storage_dtype
+    from jaxserve.kv_cache import kv_cache_bytes
+    from jaxserve.loader import read_model_config
+
+    budget = 3_000_000
+    alone = LLM(tiny, **_engine_args(kv_cache_memory_bytes=budget)).llm_engine
+    with_draft = LLM(tiny, **_engine_args(kv_cache_memory_bytes=budget, speculative_config={
+        "method": "draft_model", "model": other_draft, "num_speculative_tokens": 2})).llm_engine
+    dtype = kv_storage_dtype(alone.config.kv_cache_dtype, alone.config.dtype)
+    target_page = kv_cache_bytes(alone.model_config, 1, 4, dtype)
+    draft_page = kv_cache_bytes(read_model_config(other_draft), 1, 4, dtype)
+    assert alone.config.num_pages == budget // target_page
+    assert with_draft.config.num_pages == budget // (target_page + draft_page)
+    assert with_draft.config.num_pages < alone.config.num_pages

@@ -36,6 +36,18 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
+def read_model_config(model: str | None) -> ModelConfig:
+    """The model's config alone (no weights are read): config.json of an HF directory, or a GGUF's metadata."""
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        from jaxserve.loader.hf import read_hf_config
+
+        return read_hf_config(path)
+    from jaxserve.loader.gguf import read_gguf_config
+
+    return read_gguf_config(path)
+
+
 def load_checkpoint(model: str | None) -> Checkpoint:
     path = resolve_model_path(model)
     if os.path.isdir(path):

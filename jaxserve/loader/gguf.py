@@ -78,6 +78,22 @@ def read_gguf(path: str, *, load_tokenizer: bool = True) -> tuple[ModelConfig, d
     With `load_tokenizer=False` the tokenizer is not built (returned as None), so a GGUF whose
     tokenizer type is unsupported can still be used with a separate `tokenizer.json`.
     """
+    path, meta, tensors, config = _read_header(path)
+    params = _load_tensors(path, config, tensors)
+    tokenizer = _build_tokenizer(path, meta, config) if load_tokenizer else None
+    return config, params, tokenizer
+
+
+def read_gguf_config(path: str) -> ModelConfig:
+    """The model config from a GGUF's metadata; no tensor data is read."""
+    return _read_header(path)[3]
+
+
+# --------------------------------------------------------------------------------------------------
+# file and metadata
+
+
+def _read_header(path) -> tuple[str, dict, dict, ModelConfig]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -89,14 +105,7 @@ def read_gguf(path: str, *, load_tokenizer: bool = True) -> tuple[ModelConfig, d
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
     tensors = {t.name: t for t in reader.tensors}
-    config = _model_config(path, arch, meta, tensors)
-    params = _load_tensors(path, config, tensors)
-    tokenizer = _build_tokenizer(path, meta, config) if load_tokenizer else None
-    return config, params, tokenizer
-
-
-# --------------------------------------------------------------------------------------------------
-# file and metadata
+    return path, meta, tensors, _model_config(path, arch, meta, tensors)
 
 
 def _open(path: str):

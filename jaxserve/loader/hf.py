@@ -119,12 +119,16 @@ def read_safetensors(fp: str) -> dict[str, np.ndarray]:
     return out
 
 
-def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def read_hf_config(path: str) -> ModelConfig:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json; expected an HF model directory or a .gguf file")
     with open(cfg_path) as f:
-        config = config_from_hf(json.load(f), cfg_path)
+        return config_from_hf(json.load(f), cfg_path)
+
+
+def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    config = read_hf_config(path)
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):

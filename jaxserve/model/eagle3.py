@@ -94,6 +94,33 @@ def fuse_features(cfg: Eagle3Config, w: Eagle3Weights, features: jax.Array) -> j
     return features @ w.fc
 
 
+def head_qkv(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, h: jax.Array, tokens: jax.Array,
+             positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The layer up to attention. h f[M, D] (fused features or the previous step's hidden), tokens i32[M],
+    positions i32[M] -> (q f[M, N, H], k f[M, K, H], v f[M, K, H], residual f[M, D]). Shared with training."""
+    c = cfg.layer
+    eps, M = c.rms_norm_eps, h.shape[0]
+    N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+    h_normed = rms_norm(h, w.hidden_norm, eps)
+    x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), w.embed_norm, eps), h_normed], axis=-1)  # [M, 2D]
+    residual = h_normed if cfg.norm_before_residual else h
+    inv_freq = jnp.asarray(rope_inv_freq(c))
+    q = apply_rope((x @ w.wq).reshape(M, N, H), positions, inv_freq)
+    k = apply_rope((x @ w.wk).reshape(M, K, H), positions, inv_freq)
+    return q, k, (x @ w.wv).reshape(M, K, H), residual
+
+
+def head_output(cfg: Eagle3Config, w: Eagle3Weights, residual: jax.Array, o: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The layer after attention. residual f[M, D], attention output o f[M, N*H] -> (next_hidden f[M, D],
+    normed f[M, D]). Shared with training."""
+    eps = cfg.layer.rms_norm_eps
+    h1 = residual + o @ w.wo
+    with jax.named_scope("eagle3_mlp"):
+        out = h1 + gated_mlp(rms_norm(h1, w.mlp_norm, eps), w.w_gate, w.w_up, w.w_down)
+    normed = rms_norm(out, w.final_norm, eps)
+    return (normed if cfg.norm_output else out), normed
+
+
 def eagle3_forward(
     cfg: Eagle3Config,
     w: Eagle3Weights,
@@ -106,28 +133,16 @@ def eagle3_forward(
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """One ragged step of the head. Returns (next_hidden f[T, D], normed f[T, D], kv): `next_hidden` feeds the next
     draft step, `draft_logits(w, normed[rows])` gives the draft-vocabulary logits."""
-    c = cfg.layer
-    eps = c.rms_norm_eps
     T = inputs.token_ids.shape[0]
-    N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
     h = fuse_features(cfg, w, hidden) if from_target else hidden
     with jax.named_scope("eagle3_attention"):
-        h_normed = rms_norm(h, w.hidden_norm, eps)
-        x = jnp.concatenate([rms_norm(embed[inputs.token_ids].astype(h.dtype), w.embed_norm, eps), h_normed], axis=-1)
-        residual = h_normed if cfg.norm_before_residual else h
-        inv_freq = jnp.asarray(rope_inv_freq(c))
-        q = apply_rope((x @ w.wq).reshape(T, N, H), inputs.positions, inv_freq)
-        k = apply_rope((x @ w.wk).reshape(T, K, H), inputs.positions, inv_freq)
-        v = (x @ w.wv).reshape(T, K, H)
+        q, k, v, residual = head_qkv(cfg, w, embed, h, inputs.token_ids, inputs.positions)
         layer = jnp.zeros((), jnp.int32)
         kv = write_kv(kv, layer, k, v, inputs.slot_mapping)
         meta = attention.token_metadata(inputs)
-        o = attention.ragged_paged_attention(q, kv, layer, inputs, meta, sm_scale=1.0 / math.sqrt(H))
-        h1 = residual + o.reshape(T, N * H) @ w.wo
-    with jax.named_scope("eagle3_mlp"):
-        out = h1 + gated_mlp(rms_norm(h1, w.mlp_norm, eps), w.w_gate, w.w_up, w.w_down)
-    normed = rms_norm(out, w.final_norm, eps)
-    return (normed if cfg.norm_output else out), normed, kv
+        o = attention.ragged_paged_attention(q, kv, layer, inputs, meta, sm_scale=1.0 / math.sqrt(cfg.layer.head_dim))
+    next_hidden, normed = head_output(cfg, w, residual, o.reshape(T, -1))
+    return next_hidden, normed, kv
 
 
 def draft_logits(w: Eagle3Weights, normed: jax.Array) -> jax.Array:

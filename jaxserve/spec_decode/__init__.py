@@ -20,7 +20,9 @@ import bisect
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer
 
-__all__ = ["NgramProposer", "SpecController", "SpecMetrics", "make_proposer", "target_hidden_layer_ids"]
+__all__ = [
+    "NgramProposer", "SpecController", "SpecMetrics", "make_proposer", "proposer_cache_configs", "target_hidden_layer_ids",
+]
 
 
 def target_hidden_layer_ids(cfg: SpeculativeConfig | None, target: ModelConfig) -> tuple[int, ...]:
@@ -31,6 +33,20 @@ def target_hidden_layer_ids(cfg: SpeculativeConfig | None, target: ModelConfig) 
     from jaxserve.loader.eagle3 import read_eagle3_config
 
     return read_eagle3_config(cfg.model, target).aux_layer_ids
+
+
+def proposer_cache_configs(cfg: SpeculativeConfig | None, target: ModelConfig) -> tuple[ModelConfig, ...]:
+    """Models of the proposer's own KV caches (draft model, EAGLE-3 head layer), which share the target's page
+    ids: the engine sizes its pages so that all caches together fit the KV memory budget. Reads configs only."""
+    if cfg is None or cfg.method == "ngram":
+        return ()
+    if cfg.method == "eagle3":
+        from jaxserve.loader.eagle3 import read_eagle3_config
+
+        return (read_eagle3_config(cfg.model, target).layer,)
+    from jaxserve.loader import read_model_config
+
+    return (read_model_config(cfg.model),)
 
 
 def make_proposer(cfg: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig, runner=None):

@@ -134,8 +134,7 @@ def select_impl(q: jax.Array, k_pages: jax.Array, *, impl: str = "auto", interpr
         return "kernel"
     on_gpu = jax.default_backend() == "gpu"
     if not (on_gpu or interpret):
-        _log_once(logging.INFO, f"ragged paged attention: no GPU ({jax.default_backend()}), using the XLA reference")
-        return "reference"
+        return "reference"  # not a GPU: the caller picks its own non-Pallas path (jaxserve/attention.py)
     if reason is not None:
         _log_once(logging.WARNING, f"ragged paged attention: falling back to the XLA reference: {reason}")
         return "reference"

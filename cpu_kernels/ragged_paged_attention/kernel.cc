@@ -1,0 +1,656 @@
+// Ragged paged attention for the CPU backend, as an XLA FFI custom call.
+//
+// Computes exactly what pallas_kernels/ragged_paged_attention/reference.py::attend computes (read its docstring for
+// the semantics); this file owns only the CPU algorithm:
+//
+//   * Tokens are grouped into *blocks*: up to kBlockTokens consecutive real tokens of one sequence (a decode token
+//     is a block of one; a prefill chunk becomes a run of blocks). A task is one block, all kv heads.
+//   * A task walks only the keys its block can see (positions lo..hi: lo = 0, or the oldest key any of its tokens
+//     sees through the sliding window; hi = the block's last position; never the batch's longest context),
+//     kChunkKeys positions at a time, kv head by kv head, so together the heads read each page's contiguous
+//     [page_size, K, H] block. Each key and value row is read (and dequantized, scale folded in) once per chunk and
+//     used by all the block's rows for that kv head: B tokens x G query heads.
+//   * Per row: f32 scores (decode: dot products per key; many rows: against the chunk's transposed keys), optional
+//     soft cap, causal / window / validity mask, online softmax with the reference's flush (a weight exp(z) with
+//     z <= -80 is exactly 0: its share is < 1e-34 and a subnormal would make the arithmetic ~100x slower), weighted
+//     sum of V. Keys past a block's last position and pages outside the pool are never read, and a weight is only
+//     ever multiplied with a value some token of the block sees (NaN in stale slots or unused pages cannot leak).
+//   * Tasks run on XLA's intra-op thread pool, largest first, handed out by an atomic counter; the calling thread
+//     works too, and waits only for tasks that were actually taken (a helper that starts late finds no work).
+//
+// Inputs (shapes as in reference.attend; all row-major):
+//   q            f32/bf16/f16[T, N, H]
+//   k_pages      f32/bf16/f16/s8/f8e4m3fn[P, page_size, K, H]     v_pages: same
+//   k_scales     f32[P, page_size, K] (quantized caches) or f32[0] (float caches)     v_scales: same
+//   block_tables s32[S, max_pages]; seq s32[T]; pos s32[T]; is_real pred[T]
+// Output: q's dtype [T, N, H]; padding tokens (is_real false) are zero.
+// Attributes: sm_scale f32; sliding_window s32 (<= 0: none); soft_cap f32 (<= 0: none).
+// Block-table entries that are outside [0, P) for a visible page are treated as masked keys (the engine never
+// produces them; reading them would be out of bounds).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMasked = -1e30f;  // the reference's masked score
+constexpr float kFlush = -80.0f;   // exp(z) for z <= kFlush is flushed to exactly 0, as in the reference
+constexpr int kBlockTokens = 32;   // query tokens of one sequence sharing each page read
+constexpr int kMaxBlockRows = 128;  // ... but at most this many (token, query head) rows per block
+constexpr int kChunkKeys = 64;     // keys per online-softmax step
+
+// ------------------------------------------------------------------ scalar conversions
+
+inline float Bf16ToF32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float F16ToF32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  float mag;
+  if (exp == 0) {
+    mag = std::ldexp(static_cast<float>(mant), -24);  // zero or subnormal
+  } else if (exp == 31) {
+    mag = mant ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    uint32_t bits = ((exp + 112u) << 23) | (mant << 13);
+    std::memcpy(&mag, &bits, 4);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &mag, 4);
+  bits |= sign;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t F32ToF16(float f) {  // round to nearest even, overflow to inf, NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (abs < 0x38800000u) {                        // below 2^-14: f16 subnormal (or zero)
+    float a;
+    std::memcpy(&a, &abs, 4);
+    return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.0f));  // units of 2^-24, ties to even
+  }
+  uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+  return sign | static_cast<uint16_t>(((rounded >> 13) - (112u << 10)) & 0xffffu);
+}
+
+struct Fp8E4m3fnTable {
+  float value[256];
+  Fp8E4m3fnTable() {
+    for (int b = 0; b < 256; ++b) {
+      const int exp = (b >> 3) & 0xf, mant = b & 7;
+      float mag;
+      if (exp == 15 && mant == 7) {
+        mag = std::numeric_limits<float>::quiet_NaN();
+      } else if (exp == 0) {
+        mag = std::ldexp(static_cast<float>(mant), -9);  // subnormal: mant/8 * 2^-6
+      } else {
+        mag = std::ldexp(1.0f + mant / 8.0f, exp - 7);
+      }
+      value[b] = (b & 0x80) ? -mag : mag;
+    }
+  }
+};
+const Fp8E4m3fnTable kFp8;
+
+// ------------------------------------------------------------------ the problem and its tasks
+
+enum class KvKind { kF32, kBf16, kF16, kS8, kFp8 };
+
+struct Problem {
+  const void* q;  // [T, N, H]
+  ffi::DataType q_type;
+  void* out;  // [T, N, H], q's dtype
+  const void* k_pages;  // [P, page_size, K, H]
+  const void* v_pages;
+  KvKind kv_kind;
+  const float* k_scales;  // [P, page_size, K] or null
+  const float* v_scales;
+  const int32_t* block_tables;  // [S, max_pages]
+  const int32_t* seq;  // [T]
+  const int32_t* pos;  // [T]
+  const bool* is_real;  // [T]
+  int64_t T, N, H, K, G, P, page_size, S, max_pages;
+  float sm_scale, soft_cap;
+  int32_t window;
+};
+
+struct Task {
+  int64_t t0, num_tokens, seq, lo, hi;  // tokens t0 .. t0 + num_tokens - 1, keys at positions lo..hi
+  int64_t cost;
+};
+
+inline float LoadQ(const Problem& p, int64_t i) {
+  switch (p.q_type) {
+    case ffi::DataType::BF16: return Bf16ToF32(static_cast<const uint16_t*>(p.q)[i]);
+    case ffi::DataType::F16: return F16ToF32(static_cast<const uint16_t*>(p.q)[i]);
+    default: return static_cast<const float*>(p.q)[i];
+  }
+}
+
+inline void StoreOut(const Problem& p, int64_t i, float x) {
+  switch (p.q_type) {
+    case ffi::DataType::BF16: static_cast<uint16_t*>(p.out)[i] = F32ToBf16(x); break;
+    case ffi::DataType::F16: static_cast<uint16_t*>(p.out)[i] = F32ToF16(x); break;
+    default: static_cast<float*>(p.out)[i] = x;
+  }
+}
+
+// 8-lane float vectors (GCC/Clang vector extensions: AVX registers with -march=native on x86, pairs elsewhere).
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
+constexpr int kLanes = 8;
+
+inline V8 Load8(const float* p) { return *reinterpret_cast<const V8u*>(p); }
+inline void Store8(float* p, V8 v) { *reinterpret_cast<V8u*>(p) = v; }
+typedef int32_t V8i __attribute__((vector_size(32)));
+inline V8 Splat8(float x) { return V8{x, x, x, x, x, x, x, x}; }
+inline float Sum8(V8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// exp(x) for x in [kFlush, 0] (lanes outside are selected away by the caller): Cody-Waite range reduction around
+// the nearest integer n (by the 1.5 * 2^23 rounding trick, whose low mantissa bits are n) and a degree-6 polynomial,
+// ~1 ulp, on 8 lanes at once.
+inline V8 Exp8(V8 x) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  x = x < -87.0f ? Splat8(-87.0f) : x;
+  const V8 t = x * 1.44269504088896341f + kRound;
+  const V8 n = t - kRound;
+  const V8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  V8 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const V8i e = (reinterpret_cast<V8i>(t) - 0x4b400000 + 127) << 23;  // 0x4b400000: kRound's bits
+  return y * reinterpret_cast<V8>(e);  // vector casts reinterpret the bits
+}
+
+inline float Exp(float x) { return Exp8(Splat8(x))[0]; }
+
+// One key or value row (H values at pool row `row` = (page * page_size + offset) * K + kv head) as f32 times
+// `scale`, zero-padded to Hp (a multiple of 8) columns: a pointer into the page itself when that is already the
+// case (f32 cache, no scale, H % 8 == 0), else a converted copy in `buf`.
+inline const float* LoadRow(const Problem& p, const void* pages, int64_t row, const float* scales, float* buf,
+                            int64_t Hp) {
+  const int64_t H = p.H, base = row * H;
+  const float scale = scales ? scales[row] : 1.0f;
+  switch (p.kv_kind) {
+    case KvKind::kF32: {
+      const float* src = static_cast<const float*>(pages) + base;
+      if (H == Hp) return src;
+      for (int64_t h = 0; h < H; ++h) buf[h] = src[h];
+      break;
+    }
+    case KvKind::kBf16: {
+      const uint16_t* src = static_cast<const uint16_t*>(pages) + base;
+      for (int64_t h = 0; h < H; ++h) buf[h] = Bf16ToF32(src[h]);
+      break;
+    }
+    case KvKind::kF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(pages) + base;
+      for (int64_t h = 0; h < H; ++h) buf[h] = F16ToF32(src[h]);
+      break;
+    }
+    case KvKind::kS8: {
+      const int8_t* src = static_cast<const int8_t*>(pages) + base;
+      for (int64_t h = 0; h < H; ++h) buf[h] = static_cast<float>(src[h]) * scale;
+      break;
+    }
+    case KvKind::kFp8: {
+      const uint8_t* src = static_cast<const uint8_t*>(pages) + base;
+      for (int64_t h = 0; h < H; ++h) buf[h] = kFp8.value[src[h]] * scale;
+      break;
+    }
+  }
+  for (int64_t h = H; h < Hp; ++h) buf[h] = 0.0f;
+  return buf;
+}
+
+// scores[r][j] = q[r] . k[j] for RT rows (stride Hp) and keys j in [j0, j1), two keys at a time.
+template <int RT>
+void Scores(const float* q, const float* const* krow, int64_t j0, int64_t j1, int64_t Hp, float* scores,
+            int64_t scores_stride) {
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2) {
+    V8 a[RT][2] = {};
+    const float* k0 = krow[j];
+    const float* k1 = krow[j + 1];
+    for (int64_t h = 0; h < Hp; h += kLanes) {
+      const V8 x0 = Load8(k0 + h), x1 = Load8(k1 + h);
+      for (int r = 0; r < RT; ++r) {
+        const V8 y = Load8(q + r * Hp + h);
+        a[r][0] += y * x0;
+        a[r][1] += y * x1;
+      }
+    }
+    for (int r = 0; r < RT; ++r) {
+      scores[r * scores_stride + j] = Sum8(a[r][0]);
+      scores[r * scores_stride + j + 1] = Sum8(a[r][1]);
+    }
+  }
+  if (j < j1) {
+    V8 a[RT] = {};
+    const float* k0 = krow[j];
+    for (int64_t h = 0; h < Hp; h += kLanes) {
+      const V8 x0 = Load8(k0 + h);
+      for (int r = 0; r < RT; ++r) a[r] += Load8(q + r * Hp + h) * x0;
+    }
+    for (int r = 0; r < RT; ++r) scores[r * scores_stride + j] = Sum8(a[r]);
+  }
+}
+
+// The same from a transposed chunk kt[h][j] (stride C keys, zero past the chunk's keys), 16 keys at a time: no
+// horizontal sums, which pays when many rows (a prefill block) share the chunk and amortize the transpose.
+template <int RT>
+void ScoresTransposed(const float* q, const float* kt, int64_t C, int64_t j0, int64_t j1, int64_t Hp,
+                      float* scores, int64_t scores_stride) {
+  for (int64_t j = j0 / (2 * kLanes) * (2 * kLanes); j < j1; j += 2 * kLanes) {
+    V8 a[RT][2] = {};
+    for (int64_t h = 0; h < Hp; ++h) {
+      const V8 x0 = Load8(kt + h * C + j), x1 = Load8(kt + h * C + j + kLanes);
+      for (int r = 0; r < RT; ++r) {
+        const V8 y = Splat8(q[r * Hp + h]);
+        a[r][0] += y * x0;
+        a[r][1] += y * x1;
+      }
+    }
+    for (int r = 0; r < RT; ++r) {
+      Store8(scores + r * scores_stride + j, a[r][0]);
+      Store8(scores + r * scores_stride + j + kLanes, a[r][1]);
+    }
+  }
+}
+
+// acc[r] += sum_j w[r][j] * v[j] for RT rows and keys j in [j0, j1), 32 columns at a time.
+template <int RT>
+void WeightedSum(const float* w, int64_t w_stride, const float* const* vrow, int64_t j0, int64_t j1, int64_t Hp,
+                 float* acc) {
+  int64_t h = 0;
+  for (; h + 4 * kLanes <= Hp; h += 4 * kLanes) {
+    V8 a[RT][4];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = Load8(acc + r * Hp + h + c * kLanes);
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* v = vrow[j] + h;
+      const V8 x0 = Load8(v), x1 = Load8(v + kLanes), x2 = Load8(v + 2 * kLanes), x3 = Load8(v + 3 * kLanes);
+      for (int r = 0; r < RT; ++r) {
+        const V8 b = Splat8(w[r * w_stride + j]);
+        a[r][0] += b * x0;
+        a[r][1] += b * x1;
+        a[r][2] += b * x2;
+        a[r][3] += b * x3;
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < 4; ++c) Store8(acc + r * Hp + h + c * kLanes, a[r][c]);
+  }
+  for (; h < Hp; h += kLanes) {
+    V8 a[RT];
+    for (int r = 0; r < RT; ++r) a[r] = Load8(acc + r * Hp + h);
+    for (int64_t j = j0; j < j1; ++j) {
+      const V8 x = Load8(vrow[j] + h);
+      for (int r = 0; r < RT; ++r) a[r] += Splat8(w[r * w_stride + j]) * x;
+    }
+    for (int r = 0; r < RT; ++r) Store8(acc + r * Hp + h, a[r]);
+  }
+}
+
+struct Workspace {
+  std::vector<float> qf, m, l, acc;  // per row of every kv head: f32[K*R, Hp] queries, f32[K*R] max and sum, acc
+  std::vector<float> kbuf, vbuf, kt, s;  // the chunk: f32[C, Hp] converted keys/values, f32[Hp, C] keys^T, [R, C]
+  std::vector<const float*> krow, vrow;  // [C] the chunk's key / value rows (into the pages or the buffers)
+  std::vector<int64_t> kpos, row_j0, row_j1;  // [C] key positions; [R] each row's visible range in the chunk
+};
+
+// Online-softmax update of row r with its scores sr[u0, u1) (visible: [j0, j1)); leaves the weights in sr, exactly 0
+// outside [j0, j1) and where exp underflows past kFlush (the reference's flush), and rescales the row's sum and acc.
+void SoftmaxRow(const Problem& p, Workspace& ws, int64_t r, float* sr, int64_t u0, int64_t u1, int64_t j0,
+                int64_t j1, int64_t Hp) {
+  if (j0 >= j1) {
+    std::fill(sr + u0, sr + u1, 0.0f);
+    return;
+  }
+  if (p.soft_cap > 0.0f) {
+    for (int64_t j = j0; j < j1; ++j) sr[j] = p.soft_cap * std::tanh(sr[j] / p.soft_cap);
+  }
+  // Whole 8-lane groups covering [j0, j1) (a row holds kChunkKeys floats); lanes outside the range are masked.
+  const int64_t g0 = j0 / kLanes * kLanes, g1 = (j1 + kLanes - 1) / kLanes * kLanes;
+  const V8i iota = {0, 1, 2, 3, 4, 5, 6, 7};
+  const int32_t lo = static_cast<int32_t>(j0), hi = static_cast<int32_t>(j1);
+  V8 vmax = Splat8(ws.m[r]);
+  for (int64_t j = g0; j < g1; j += kLanes) {
+    const V8i idx = iota + static_cast<int32_t>(j);
+    const V8 x = Load8(sr + j);
+    vmax = ((idx >= lo) & (idx < hi) & (x > vmax)) ? x : vmax;
+  }
+  float m_new = vmax[0];
+  for (int lane = 1; lane < kLanes; ++lane) m_new = std::max(m_new, vmax[lane]);
+  V8 vsum = {};
+  for (int64_t j = g0; j < g1; j += kLanes) {
+    const V8i idx = iota + static_cast<int32_t>(j);
+    const V8 z = Load8(sr + j) - m_new;
+    const V8 w = ((idx >= lo) & (idx < hi) & (z > kFlush)) ? Exp8(z) : Splat8(0.0f);
+    Store8(sr + j, w);
+    vsum += w;
+  }
+  std::fill(sr + u0, sr + std::max(u0, j0), 0.0f);
+  std::fill(sr + std::min(u1, j1), sr + u1, 0.0f);
+  const float dm = ws.m[r] - m_new;
+  const float alpha = dm > kFlush ? Exp(dm) : 0.0f;  // the same flush for the rescale
+  ws.m[r] = m_new;
+  ws.l[r] = ws.l[r] * alpha + Sum8(vsum);
+  if (alpha != 1.0f) {
+    float* acc = &ws.acc[r * Hp];
+    for (int64_t h = 0; h < Hp; ++h) acc[h] *= alpha;
+  }
+}
+
+// One chunk of keys (positions c0 .. c0 + kChunkKeys - 1, clipped to the task's range) for kv head kv: gather the
+// key and value rows once, then for row tiles of up to 4 rows: scores over the union of the tile's visible ranges,
+// each row's online softmax, and the weighted sum of V. Only keys inside a tile's union -- each visible to some
+// token of this block, so holding written data -- are ever multiplied. Returns false if the chunk has no keys in
+// valid pages (then it has none for any kv head).
+bool AttendChunk(const Problem& p, const Task& task, Workspace& ws, int64_t kv, int64_t c0, bool transposed) {
+  const int64_t G = p.G, B = task.num_tokens, R = B * G, K = p.K, ps = p.page_size;
+  const int64_t Hp = (p.H + kLanes - 1) / kLanes * kLanes;
+  constexpr int64_t C = kChunkKeys;
+  const int32_t* table = p.block_tables + task.seq * p.max_pages;
+  int64_t n = 0;
+  for (int64_t kp = c0, c1 = std::min(c0 + C, task.hi + 1); kp < c1;) {
+    const int64_t pg = kp / ps, end = std::min(c1, (pg + 1) * ps);
+    const int32_t page = pg < p.max_pages ? table[pg] : -1;
+    if (page < 0 || page >= p.P) {  // masked: never read
+      kp = end;
+      continue;
+    }
+    for (int64_t row = ((static_cast<int64_t>(page) * ps + kp - pg * ps) * K + kv); kp < end; ++kp, row += K) {
+      ws.krow[n] = LoadRow(p, p.k_pages, row, p.k_scales, &ws.kbuf[n * Hp], Hp);
+      ws.vrow[n] = LoadRow(p, p.v_pages, row, p.v_scales, &ws.vbuf[n * Hp], Hp);
+      ws.kpos[n] = kp;
+      ++n;
+    }
+  }
+  if (n == 0) return false;
+  if (transposed) {
+    float* kt = ws.kt.data();
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t h = 0; h < Hp; ++h) kt[h * C + j] = ws.krow[j][h];
+    }
+    for (int64_t h = 0; h < Hp; ++h) std::fill(kt + h * C + n, kt + (h + 1) * C, 0.0f);
+  }
+  // A token's visible keys in the chunk (positions in (pos - window, pos]) are a contiguous range [j0, j1).
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t last = p.pos[task.t0 + b];
+    const int64_t first = p.window > 0 ? last - p.window + 1 : INT64_MIN;
+    int64_t j0 = 0, j1 = n;
+    while (j0 < n && ws.kpos[j0] < first) ++j0;
+    while (j1 > j0 && ws.kpos[j1 - 1] > last) --j1;
+    std::fill(&ws.row_j0[b * G], &ws.row_j0[(b + 1) * G], j0);
+    std::fill(&ws.row_j1[b * G], &ws.row_j1[(b + 1) * G], j1);
+  }
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int rt = static_cast<int>(std::min<int64_t>(4, R - r0));
+    int64_t u0 = n, u1 = 0;
+    for (int i = 0; i < rt; ++i) {
+      if (ws.row_j0[r0 + i] < ws.row_j1[r0 + i]) {
+        u0 = std::min(u0, ws.row_j0[r0 + i]);
+        u1 = std::max(u1, ws.row_j1[r0 + i]);
+      }
+    }
+    if (u0 >= u1) continue;
+    float* s = &ws.s[r0 * C];
+    const float* q = &ws.qf[(kv * R + r0) * Hp];
+    if (transposed) {
+      switch (rt) {
+        case 1: ScoresTransposed<1>(q, ws.kt.data(), C, u0, u1, Hp, s, C); break;
+        case 2: ScoresTransposed<2>(q, ws.kt.data(), C, u0, u1, Hp, s, C); break;
+        case 3: ScoresTransposed<3>(q, ws.kt.data(), C, u0, u1, Hp, s, C); break;
+        default: ScoresTransposed<4>(q, ws.kt.data(), C, u0, u1, Hp, s, C); break;
+      }
+    } else {
+      switch (rt) {
+        case 1: Scores<1>(q, ws.krow.data(), u0, u1, Hp, s, C); break;
+        case 2: Scores<2>(q, ws.krow.data(), u0, u1, Hp, s, C); break;
+        case 3: Scores<3>(q, ws.krow.data(), u0, u1, Hp, s, C); break;
+        default: Scores<4>(q, ws.krow.data(), u0, u1, Hp, s, C); break;
+      }
+    }
+    for (int i = 0; i < rt; ++i) {
+      SoftmaxRow(p, ws, kv * R + r0 + i, s + i * C, u0, u1, ws.row_j0[r0 + i], ws.row_j1[r0 + i], Hp);
+    }
+    float* acc = &ws.acc[(kv * R + r0) * Hp];
+    int i = 0;
+    for (; i + 2 <= rt; i += 2) WeightedSum<2>(s + i * C, C, ws.vrow.data(), u0, u1, Hp, acc + i * Hp);
+    if (i < rt) WeightedSum<1>(s + i * C, C, ws.vrow.data(), u0, u1, Hp, acc + i * Hp);
+  }
+  return true;
+}
+
+// One task: a block of B tokens of one sequence, all kv heads. Rows per kv head: R = B x G (row b * G + g is token
+// t0 + b, query head kv * G + g); kv head kv's rows are at offset kv * R in the workspace.
+void RunTask(const Problem& p, const Task& task, Workspace& ws) {
+  const int64_t H = p.H, G = p.G, B = task.num_tokens, R = B * G, K = p.K;
+  const int64_t Hp = (H + kLanes - 1) / kLanes * kLanes;
+  constexpr int64_t C = kChunkKeys;
+  const bool transposed = R >= 8;  // enough rows to amortize transposing each chunk's keys
+  ws.qf.assign(K * R * Hp, 0.0f);
+  ws.m.assign(K * R, kMasked);
+  ws.l.assign(K * R, 0.0f);
+  ws.acc.assign(K * R * Hp, 0.0f);
+  ws.kbuf.resize(C * Hp);
+  ws.vbuf.resize(C * Hp);
+  if (transposed) ws.kt.resize(Hp * C);
+  ws.s.resize(R * C);
+  ws.krow.resize(C);
+  ws.vrow.resize(C);
+  ws.kpos.resize(C);
+  ws.row_j0.resize(R);
+  ws.row_j1.resize(R);
+  for (int64_t kv = 0; kv < K; ++kv) {  // queries in f32 times sm_scale, like the reference; zero-padded to Hp
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t src = ((task.t0 + r / G) * p.N + kv * G + r % G) * H;
+      float* dst = &ws.qf[(kv * R + r) * Hp];
+      for (int64_t h = 0; h < H; ++h) dst[h] = LoadQ(p, src + h) * p.sm_scale;
+    }
+  }
+  // All kv heads of a chunk in turn: together they read the pages' contiguous [page_size, K, H] blocks.
+  for (int64_t c0 = task.lo; c0 <= task.hi; c0 += C) {
+    for (int64_t kv = 0; kv < K; ++kv) {
+      if (!AttendChunk(p, task, ws, kv, c0, transposed)) break;
+    }
+  }
+  for (int64_t kv = 0; kv < K; ++kv) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float l = ws.l[kv * R + r] > 0.0f ? ws.l[kv * R + r] : 1.0f;  // 0: no visible key, output 0
+      const float* acc = &ws.acc[(kv * R + r) * Hp];
+      const int64_t dst = ((task.t0 + r / G) * p.N + kv * G + r % G) * H;
+      for (int64_t h = 0; h < H; ++h) StoreOut(p, dst + h, acc[h] / l);
+    }
+  }
+}
+
+std::vector<Task> MakeTasks(const Problem& p) {
+  std::vector<Task> tasks;
+  const int64_t max_tokens = std::max<int64_t>(1, std::min<int64_t>(kBlockTokens, kMaxBlockRows / p.G));
+  for (int64_t t = 0; t < p.T;) {
+    if (!p.is_real[t]) {
+      ++t;
+      continue;
+    }
+    const int64_t seq = std::clamp<int64_t>(p.seq[t], 0, p.S - 1);
+    int64_t end = t + 1;
+    while (end < p.T && end - t < max_tokens && p.is_real[end] &&
+           std::clamp<int64_t>(p.seq[end], 0, p.S - 1) == seq) {
+      ++end;
+    }
+    int64_t lo = INT64_MAX, hi = -1;
+    for (int64_t u = t; u < end; ++u) {
+      hi = std::max<int64_t>(hi, p.pos[u]);
+      lo = std::min<int64_t>(lo, p.window > 0 ? p.pos[u] - p.window + 1 : 0);
+    }
+    lo = std::max<int64_t>(lo, 0);
+    hi = std::min<int64_t>(hi, p.max_pages * p.page_size - 1);
+    if (hi >= lo) tasks.push_back(Task{t, end - t, seq, lo, hi, (end - t) * (hi - lo + 1 + p.page_size)});
+    t = end;
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
+struct Shared {
+  Problem problem;
+  std::vector<Task> tasks;
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  void Work() {
+    thread_local Workspace ws;
+    const size_t n = tasks.size();
+    for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      RunTask(problem, tasks[i], ws);
+      if (done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(mu);
+        all_done.notify_all();
+      }
+    }
+  }
+};
+
+bool KvKindOf(ffi::DataType t, KvKind* kind) {
+  switch (t) {
+    case ffi::DataType::F32: *kind = KvKind::kF32; return true;
+    case ffi::DataType::BF16: *kind = KvKind::kBf16; return true;
+    case ffi::DataType::F16: *kind = KvKind::kF16; return true;
+    case ffi::DataType::S8: *kind = KvKind::kS8; return true;
+    case ffi::DataType::F8E4M3FN: *kind = KvKind::kFp8; return true;
+    default: return false;
+  }
+}
+
+ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                    ffi::AnyBuffer v_pages, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
+                                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq,
+                                    ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::PRED> is_real,
+                                    ffi::Result<ffi::AnyBuffer> out, float sm_scale, int32_t sliding_window,
+                                    float soft_cap) {
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->problem;
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  const auto bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: expected q rank 3, pages rank 4, block_tables rank 2");
+  }
+  p.T = qd[0], p.N = qd[1], p.H = qd[2];
+  p.P = kd[0], p.page_size = kd[1], p.K = kd[2];
+  p.S = bd[0], p.max_pages = bd[1];
+  if (kd[3] != p.H || p.K <= 0 || p.N % p.K != 0 || v_pages.dimensions().size() != 4 ||
+      v_pages.element_count() != k_pages.element_count() || v_pages.element_type() != k_pages.element_type()) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: inconsistent q / k_pages / v_pages shapes or dtypes");
+  }
+  if (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16 &&
+      q.element_type() != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: q must be float32, bfloat16 or float16");
+  }
+  if (out->element_type() != q.element_type() || out->element_count() != q.element_count()) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: output must match q's shape and dtype");
+  }
+  if (!KvKindOf(k_pages.element_type(), &p.kv_kind)) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: unsupported KV dtype");
+  }
+  const bool quantized = p.kv_kind == KvKind::kS8 || p.kv_kind == KvKind::kFp8;
+  const size_t scale_count = static_cast<size_t>(p.P * p.page_size * p.K);
+  if (quantized && (k_scales.element_count() != scale_count || v_scales.element_count() != scale_count ||
+                    k_scales.element_type() != ffi::DataType::F32 || v_scales.element_type() != ffi::DataType::F32)) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: quantized KV needs f32[P, page_size, K] scales");
+  }
+  if (seq.element_count() != static_cast<size_t>(p.T) || pos.element_count() != static_cast<size_t>(p.T) ||
+      is_real.element_count() != static_cast<size_t>(p.T) || p.S <= 0) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: seq / pos / is_real must be [T], S >= 1");
+  }
+  p.G = p.N / p.K;
+  p.q = q.untyped_data();
+  p.q_type = q.element_type();
+  p.out = out->untyped_data();
+  p.k_pages = k_pages.untyped_data();
+  p.v_pages = v_pages.untyped_data();
+  p.k_scales = quantized ? static_cast<const float*>(k_scales.untyped_data()) : nullptr;
+  p.v_scales = quantized ? static_cast<const float*>(v_scales.untyped_data()) : nullptr;
+  p.block_tables = block_tables.typed_data();
+  p.seq = seq.typed_data();
+  p.pos = pos.typed_data();
+  p.is_real = is_real.typed_data();
+  p.sm_scale = sm_scale;
+  p.soft_cap = soft_cap;
+  p.window = sliding_window;
+
+  // Tokens no task covers (padding, or no visible key) output zero.
+  std::memset(p.out, 0, out->size_bytes());
+  shared->tasks = MakeTasks(p);
+  const size_t n = shared->tasks.size();
+  if (n == 0) return ffi::Error::Success();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(n) - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([shared] { shared->Work(); });
+  }
+  shared->Work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->all_done.wait(lock, [&] { return shared->done.load() == n; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k_pages
+                                  .Arg<ffi::AnyBuffer>()  // v_pages
+                                  .Arg<ffi::AnyBuffer>()  // k_scales
+                                  .Arg<ffi::AnyBuffer>()  // v_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // is_real
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));

@@ -1,0 +1,239 @@
+"""EAGLE-3 trainer: the TTT forward against the serving head (step 0, and steps 1..3 along a drafted chain), the
+draft-vocabulary maths, stored features against the serving forward, training that learns, and export -> load_eagle3
+-> lossless speculative serving. Tiny random targets, nothing downloaded."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.batch import ScheduledSeq, StepInputs, build_step_inputs, choose_bucket
+from jaxserve.kv_cache import init_kv_cache
+from jaxserve.loader import load_checkpoint
+from jaxserve.loader.eagle3 import load_eagle3
+from jaxserve.loader.weights import to_weights
+from jaxserve.model.eagle3 import Eagle3Weights, draft_logits, eagle3_forward
+from jaxserve.model.layers import argmax
+from jaxserve.model.llama import compute_logits, forward
+from training.eagle3 import ttt
+from training.eagle3.features import FeatureStore, TargetFeatures, extract
+from training.eagle3.train import TrainConfig, Trainer, head_config
+from training.eagle3.ttt import TTTBatch, ttt_logits
+from training.eagle3.vocab import build_vocab, coverage, draft_vocab_ids, token_counts, vocab_mapping
+
+V, D, F, NH, NKV, L = 300, 64, 160, 4, 2, 5
+AUX = (1, 3, 5)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    import torch
+    import transformers
+
+    path = str(tmp_path_factory.mktemp("train_target"))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=NH,
+        num_key_value_heads=NKV, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(path)
+    return path
+
+
+def random_head(cfg, seed=0):
+    c = cfg.layer
+    rng = np.random.default_rng(seed)
+    r = lambda *s: jnp.asarray(0.15 * rng.standard_normal(s), jnp.float32)  # noqa: E731
+    n = lambda k: jnp.asarray(1 + 0.3 * rng.standard_normal(k), jnp.float32)  # noqa: E731
+    NHd, KHd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return Eagle3Weights(fc=r(3 * D, D), embed_norm=n(D), hidden_norm=n(D), wq=r(2 * D, NHd), wk=r(2 * D, KHd),
+                         wv=r(2 * D, KHd), wo=r(NHd, D), mlp_norm=n(D), w_gate=r(D, F), w_up=r(D, F), w_down=r(F, D),
+                         final_norm=n(D), lm_head=r(D, cfg.draft_vocab_size), d2t=None)
+
+
+# ---- TTT forward == the serving head --------------------------------------------------------------------------------
+
+
+def _ttt_setup(target, seed=0, T=12, **flags):
+    tcfg = load_checkpoint(target).config
+    cfg = dataclasses.replace(head_config(tcfg, AUX, 40), **flags)
+    w = random_head(cfg, seed)
+    rng = np.random.default_rng(seed + 1)
+    embed = jnp.asarray(rng.standard_normal((V, D)), jnp.float32)
+    feats = rng.standard_normal((2, T, 3 * D)).astype(np.float32)
+    tokens = rng.integers(0, V, (2, T)).astype(np.int32)
+    batch = TTTBatch(aux=jnp.asarray(feats), target_hidden=jnp.zeros((2, T, D)), tokens=jnp.asarray(tokens),
+                     target_argmax=jnp.zeros((2, T), jnp.int32), is_output=jnp.ones((2, T), bool),
+                     lengths=jnp.asarray([T, T - 3], jnp.int32),
+                     window_pos=jnp.asarray(np.stack([np.arange(T), np.arange(T) // 2]), jnp.int32))
+    return cfg, w, embed, feats, tokens, batch
+
+
+def _serving_chain_logits(cfg, w, embed, feats, tokens, p, k):
+    """Serving: catch-up over pairs (f_q, t_{q+1}), q = 0..p, then k single-token drafts fed t_{p+2}, .. t_{p+1+k}.
+    -> draft logits f32[k + 1, Vd] (step j predicts t_{p+2+j})."""
+    ps, pages = 4, [3, 1, 4, 2]
+    kv = init_kv_cache(cfg.layer, 6, ps, jnp.float32)
+    fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames="from_target")
+    b = choose_bucket(p + 1, len(pages), (16,), (4,), 4)
+    inputs = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(list(tokens[1 : p + 2]), 0, pages)], b, ps)))
+    h, normed, kv = fwd(cfg, w, embed, kv, inputs, jnp.asarray(np.pad(feats[: p + 1], ((0, 15 - p), (0, 0)))), from_target=True)
+    out, h = [draft_logits(w, normed[p : p + 1])[0]], h[p : p + 1]
+    b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
+    for j in range(1, k + 1):
+        one = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([int(tokens[p + 1 + j])], p + j, pages)], b1, ps)))
+        h, normed, kv = fwd(cfg, w, embed, kv, one, h, from_target=False)
+        out.append(draft_logits(w, normed)[0])
+    return np.stack([np.asarray(x) for x in out])
+
+
+@pytest.mark.parametrize("flags", [{}, dict(norm_output=True, norm_before_residual=True)], ids=["plain", "norms"])
+def test_ttt_matches_serving_along_chains(target, flags):
+    """Step k at chain p (row 0: window = every position; row 1: a shifted window) == serving's k-th draft."""
+    cfg, w, embed, feats, tokens, batch = _ttt_setup(target, **flags)
+    logits = np.asarray(jax.jit(ttt_logits, static_argnums=0, static_argnames="num_steps")(cfg, w, embed, batch, num_steps=4))
+    T, checked = tokens.shape[1], 0
+    for b in range(2):
+        for wi, p in enumerate(np.asarray(batch.window_pos[b])):
+            k = min(3, T - 2 - p)  # drafts fed tokens up to t_{p+1+k}
+            if k < 0:
+                continue
+            ref = _serving_chain_logits(cfg, w, embed, feats[b], tokens[b], int(p), k)
+            np.testing.assert_allclose(logits[: k + 1, b, wi], ref, rtol=1e-4, atol=1e-4, err_msg=f"row {b} chain {p}")
+            checked += k + 1
+    assert checked > 40
+
+
+def test_wrong_chain_mask_is_caught(target, monkeypatch):
+    """A step-k query that sees the step-0 keys up to its own position p + k (instead of p) disagrees with serving."""
+    cfg, w, embed, feats, tokens, batch = _ttt_setup(target, seed=2)
+    good = ttt.attend
+    monkeypatch.setattr(ttt, "attend", lambda q, q_pos, k0, v0, kd, vd, s: good(q, q_pos + kd.shape[2], k0, v0, kd, vd, s))
+    logits = np.asarray(ttt_logits(cfg, w, embed, batch, num_steps=2))
+    ref = _serving_chain_logits(cfg, w, embed, feats[0], tokens[0], 3, 1)
+    np.testing.assert_allclose(logits[0, 0, 3], ref[0], rtol=1e-4, atol=1e-4)  # step 0 is unaffected
+    assert np.abs(logits[1, 0, 3] - ref[1]).max() > 1e-3
+
+
+# ---- draft vocabulary -------------------------------------------------------------------------------------------------
+
+
+def test_vocab_mapping():
+    counts = np.zeros(12, np.int64)
+    counts[[7, 3, 9, 5]] = [5, 5, 2, 1]  # 7 and 3 tie; 3 wins the tie by id
+    assert draft_vocab_ids(counts, 2).tolist() == [3, 7]
+    ids, d2t, t2d = build_vocab(counts, 3)
+    assert ids.tolist() == [3, 7, 9] and d2t.tolist() == [3, 6, 7] and d2t.dtype == np.int64
+    assert t2d.dtype == bool and np.flatnonzero(t2d).tolist() == [3, 7, 9]
+    assert ((np.arange(3) + d2t) == ids).all()
+    ids, d2t, t2d = build_vocab(counts, 7)  # 4 seen tokens + the 3 lowest unused ids, sorted ascending
+    assert ids.tolist() == [0, 1, 2, 3, 5, 7, 9] and t2d.sum() == 7
+    assert coverage(counts, t2d) == 1.0 and coverage(counts, vocab_mapping(np.array([7]), 12)[1]) == 5 / 13
+    assert token_counts(np.array([1, 1, 2, 3]), np.array([1, 1, 0, 1]), 5).tolist() == [0, 2, 0, 1, 0]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_vocab(counts, 13)
+
+
+# ---- features, training, export ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_llm(target):
+    return LLM(target, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 64), page_size=4,
+               max_model_len=128, precompile=False)
+
+
+@pytest.fixture(scope="module")
+def dataset(target, plain_llm, tmp_path_factory):
+    """The tiny target's own greedy replies to 24 motif prompts -> a feature directory."""
+    rng = np.random.default_rng(0)
+    prompts = []
+    for _ in range(24):
+        motif = rng.integers(3, V, int(rng.integers(2, 5))).tolist()
+        prompts.append((motif * 8)[: int(rng.integers(4, 16))])
+    outs = plain_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    samples = [dict(prompt_token_ids=p, output_token_ids=list(o.outputs[0].token_ids), chat=False)
+               for p, o in zip(prompts, outs)]
+    path = str(tmp_path_factory.mktemp("feats"))
+    tf = TargetFeatures(target, aux_layer_ids=AUX, max_len=64, len_buckets=(32, 64))
+    extract(samples, tf, path, log_every=0)
+    return samples, FeatureStore.open(path)
+
+
+def test_features_equal_the_serving_forward(target, dataset):
+    samples, store = dataset
+    ck = load_checkpoint(target)
+    weights = jax.device_put(to_weights(ck.config, ck.tensors, np.float32))
+    for s in (0, 5):
+        ids = samples[s]["prompt_token_ids"] + samples[s]["output_token_ids"]
+        n, P = len(ids), len(samples[s]["prompt_token_ids"])
+        kv = init_kv_cache(ck.config, 20, 4, jnp.float32)
+        b = choose_bucket(n, 16, (64,), (16,), 1)
+        inputs = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(ids, 0, list(range(1, 17)))], b, 4)))
+        h, _, hidden = forward(ck.config, weights, kv, inputs, hidden_layer_ids=AUX)
+        rows = store.rows(s)
+        ref_aux = np.concatenate([np.asarray(hidden[j, :n]) for j in range(3)], axis=-1)
+        np.testing.assert_allclose(store.aux[rows].astype(np.float32), ref_aux, rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(store.hidden[rows].astype(np.float32), np.asarray(h[:n]), rtol=2e-3, atol=2e-3)
+        assert store.target_argmax[rows].tolist() == np.asarray(argmax(compute_logits(weights, h[:n]))).tolist()
+        assert store.tokens[rows].tolist() == ids
+        assert store.is_output[rows].tolist() == [0] * P + [1] * (n - P)
+        # greedy data: the target's argmax at p is the output token p + 1
+        assert (store.target_argmax[rows][P - 1 : n - 1] == store.tokens[rows][P:]).all()
+
+
+def _trainer(store, **kw):
+    tc = TrainConfig(**(dict(lr=3e-3, batch_tokens=64, ttt_steps=3, draft_vocab_size=64, len_buckets=(64,),
+                             win_buckets=(32,), eval_frac=0.2, log_every=20, max_steps=60) | kw))
+    return Trainer(store, tc)
+
+
+def test_loss_mask_covers_exactly_the_output_predictions(dataset):
+    samples, store = dataset
+    tr = _trainer(store, eval_frac=0.0)
+    total = None
+    for plan in tr._plans(np.arange(store.num_samples)):
+        st = tr._eval_step(tr.params, tr.embed, tr.vocab, tr._batch(plan))
+        total = st if total is None else jax.tree.map(jnp.add, total, st)
+    for k in range(3):  # step k at chain p predicts token p + 2 + k: counted iff that token is an output token
+        want = sum(len(r["output_token_ids"]) - max(0, 2 + k - len(r["prompt_token_ids"])) for r in samples)
+        assert int(total["valid"][k]) == want
+
+
+def test_training_learns_and_exports_losslessly(target, dataset, plain_llm, tmp_path):
+    samples, store = dataset
+    tr = _trainer(store)
+    before = tr.evaluate(ids=tr.train_ids)
+    log = tr.train(out_dir=str(tmp_path / "head"))
+    after = tr.evaluate(ids=tr.train_ids)
+    assert log[-1]["loss"] < 0.7 * log[0]["loss"] or after["loss"][0] < 0.7 * before["loss"][0], (before, after)
+    assert after["acc"][0] > before["acc"][0] + 0.2, (before, after)
+    assert after["tau"] > before["tau"]
+
+    cfg, w = load_eagle3(str(tmp_path / "head"), load_checkpoint(target).config, np.float32)
+    assert dataclasses.replace(tr.cfg, layer=cfg.layer) == cfg and cfg.aux_layer_ids == AUX  # same flags and ids
+    assert dataclasses.replace(tr.cfg.layer, max_position_embeddings=cfg.layer.max_position_embeddings) == cfg.layer
+    assert cfg.layer.hidden_size == D and cfg.layer.num_layers == 1 and cfg.draft_vocab_size == 64
+    params = jax.device_get(tr.params)
+    for f in dataclasses.fields(Eagle3Weights):
+        a, b = getattr(w, f.name), getattr(params, f.name)
+        if f.name == "d2t":
+            assert (a == tr.d2t).all()
+        elif b is None:
+            assert a is None
+        else:
+            np.testing.assert_array_equal(a, np.asarray(b), err_msg=f.name)
+
+    spec = LLM(target, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 64), page_size=4,
+               max_model_len=128, precompile=False,
+               speculative_config={"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": samples[i]["prompt_token_ids"]} for i in (0, 1, 2)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
+    assert sum(spec.llm_engine.spec.metrics.num_accepted) > 0  # the trained head's drafts do get accepted

@@ -1,0 +1,104 @@
+"""`python -m training.eagle3 {regenerate,features,train,eval}`: the EAGLE-3 head pipeline.
+
+    regenerate  ShareGPT prompts answered greedily by the target -> JSONL   (training/eagle3/regenerate.py)
+    features    JSONL -> feature directory (target aux features, final hidden, argmax, loss mask)
+    train       feature directory -> trained head, exported in speculators format (+ held-out evaluation)
+    eval        an exported head + a feature directory -> per-position accuracy and implied acceptance length
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def features(argv) -> None:
+    from training.eagle3.features import TargetFeatures, extract, read_jsonl
+
+    ap = argparse.ArgumentParser(prog="python -m training.eagle3 features")
+    ap.add_argument("--data", required=True, help="regenerate.py's JSONL")
+    ap.add_argument("--out", required=True, help="feature directory to write")
+    ap.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--aux-layer-ids", type=_ints, default=None, help="3 ids, input convention (default 2,L//2,L-3)")
+    ap.add_argument("--max-len", type=int, default=1280)
+    ap.add_argument("--limit", type=int, default=None, help="first N samples only")
+    a = ap.parse_args(argv)
+    target = TargetFeatures(a.model, aux_layer_ids=a.aux_layer_ids, max_len=a.max_len)
+    meta = extract(read_jsonl(a.data, a.limit), target, a.out)
+    print(json.dumps(meta))
+
+
+def _train_config(a):
+    from training.eagle3.train import TrainConfig
+
+    return TrainConfig(lr=a.lr, epochs=a.epochs, max_steps=a.max_steps, batch_tokens=a.batch_tokens,
+                       ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab_size, len_buckets=a.len_buckets, win_buckets=a.win_buckets,
+                       eval_frac=a.eval_frac, log_every=a.log_every, save_every=a.save_every, seed=a.seed)
+
+
+def train(argv) -> None:
+    from training.eagle3.features import FeatureStore
+    from training.eagle3.train import TrainConfig, Trainer
+
+    d = TrainConfig()
+    ap = argparse.ArgumentParser(prog="python -m training.eagle3 train")
+    ap.add_argument("--features", required=True)
+    ap.add_argument("--out", required=True, help="directory for the exported head (checkpoints in OUT/step-N)")
+    ap.add_argument("--model", default=None, help="target (default: the one recorded in the features)")
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--epochs", type=float, default=d.epochs)
+    ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
+    ap.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
+    ap.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size)
+    ap.add_argument("--len-buckets", type=_ints, default=d.len_buckets)
+    ap.add_argument("--win-buckets", type=_ints, default=d.win_buckets)
+    ap.add_argument("--eval-frac", type=float, default=d.eval_frac)
+    ap.add_argument("--log-every", type=int, default=d.log_every)
+    ap.add_argument("--save-every", type=int, default=d.save_every)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    a = ap.parse_args(argv)
+    tr = Trainer(FeatureStore.open(a.features), _train_config(a), a.model)
+    tr.train(a.out)
+    if len(tr.eval_ids):
+        print("[eval] held-out", json.dumps(tr.evaluate()))
+
+
+def evaluate(argv) -> None:
+    from training.eagle3.features import FeatureStore
+    from training.eagle3.train import TrainConfig, Trainer
+
+    ap = argparse.ArgumentParser(prog="python -m training.eagle3 eval")
+    ap.add_argument("--head", required=True, help="exported speculators directory")
+    ap.add_argument("--features", required=True)
+    ap.add_argument("--ttt-steps", type=int, default=TrainConfig().ttt_steps)
+    ap.add_argument("--eval-frac", type=float, default=TrainConfig().eval_frac, help="the split train used")
+    ap.add_argument("--all", action="store_true", help="every sample, not just the held-out split")
+    a = ap.parse_args(argv)
+    store = FeatureStore.open(a.features)
+    tr = Trainer(store, TrainConfig(ttt_steps=a.ttt_steps, eval_frac=a.eval_frac), head=a.head)
+    print(json.dumps(tr.evaluate(ids=np.arange(store.num_samples) if a.all else None)))
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    cmds = {"features": features, "train": train, "eval": evaluate}
+    if not argv or argv[0] not in cmds | {"regenerate": None}:
+        print(__doc__)
+        raise SystemExit(f"expected a subcommand: regenerate, features, train or eval (got {argv[:1]})")
+    if argv[0] == "regenerate":
+        from training.eagle3.regenerate import main as regenerate
+
+        return regenerate(argv[1:])
+    cmds[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

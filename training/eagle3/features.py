@@ -1,0 +1,177 @@
+"""Target features for EAGLE-3 training: run the target over prompt + output once, store what the head learns from.
+
+The target runs through the serving forward (`jaxserve.model.llama.forward` over a paged KV cache, inputs from
+`jaxserve.batch.build_step_inputs`, one sequence per call, padded to a few length buckets), so the features are the
+ones serving computes. Per token p of every sample we store:
+
+  aux.npy            f16[N, 3D]  residual streams entering `aux_layer_ids` (input convention), concatenated
+  hidden.npy         f16[N, D]   the target's final-normed hidden state (target logits = hidden @ output embedding)
+  tokens.npy         i32[N]
+  target_argmax.npy  i32[N]      the target's greedy next token after p, over the full vocabulary
+  is_output.npy      u8[N]       1 where token p is an output token (the loss mask of the token it is)
+  index.npz          offsets i64[S], lengths i32[S], prompt_lens i32[S]   (sample s = rows offsets[s]:+lengths[s])
+  meta.json          model, aux_layer_ids, hidden_size, vocab_size, max_len, num_samples, num_tokens
+
+Samples longer than `max_len` are cut at the end; samples left without output tokens are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs, smallest_at_least
+from jaxserve.kv_cache import init_kv_cache
+from jaxserve.loader import load_checkpoint
+from jaxserve.loader.eagle3 import default_aux_layer_ids
+from jaxserve.loader.weights import to_weights
+from jaxserve.model.layers import argmax
+from jaxserve.model.llama import compute_logits, forward
+
+PAGE_SIZE = 16
+
+
+def read_jsonl(path: str, limit: int | None = None) -> list[dict]:
+    """regenerate.py's output -> [{"prompt_token_ids", "output_token_ids", "chat"}]; a torn last line is dropped."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if limit is not None and len(out) >= limit:
+                break
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the file may still be being written
+            if "prompt_token_ids" not in r or "output_token_ids" not in r:
+                raise ValueError(f"{path}:{i + 1}: expected prompt_token_ids and output_token_ids (got {sorted(r)})")
+            out.append(r)
+    return out
+
+
+def _target_step(cfg, aux_ids, weights, kv, inputs):
+    h, kv, hidden = forward(cfg, weights, kv, inputs, hidden_layer_ids=aux_ids)
+    T = h.shape[0]
+    aux = jnp.transpose(hidden, (1, 0, 2)).reshape(T, -1)  # [T, 3D]  (low, mid, high), as serving concatenates
+    return aux, h, argmax(compute_logits(weights, h)), kv
+
+
+class TargetFeatures:
+    """The target model, run one sequence at a time: tokens -> (aux f32[T, 3D], hidden f32[T, D], argmax i32[T])."""
+
+    def __init__(self, model: str | None, *, aux_layer_ids: tuple[int, ...] | None = None, max_len: int = 1280,
+                 len_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1280), dtype=jnp.float32):
+        ck = load_checkpoint(model)
+        self.path, self.cfg = ck.path, ck.config
+        self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(ck.config.num_layers))
+        if len(self.aux_layer_ids) != 3 or not all(0 <= i <= ck.config.num_layers for i in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be 3 ids in [0, {ck.config.num_layers}] (got {self.aux_layer_ids})")
+        self.max_len = max_len
+        self.len_buckets = tuple(sorted({b for b in len_buckets if b < max_len} | {max_len}))
+        self.weights = jax.device_put(to_weights(ck.config, ck.tensors, dtype, ck.path))
+        num_pages = -(-max_len // PAGE_SIZE)
+        self.pages = list(range(1, num_pages + 1))  # page 0 is the padding sink
+        self.kv = init_kv_cache(ck.config, num_pages + 1, PAGE_SIZE, dtype)
+        self._step = jax.jit(_target_step, static_argnums=(0, 1), donate_argnums=(3,))
+
+    def output_embedding(self) -> np.ndarray:
+        """f32[V, D]: the target's lm_head rows (the embedding when tied)."""
+        w = self.weights
+        return np.asarray(w.embed if w.lm_head is None else w.lm_head.T, np.float32)
+
+    def __call__(self, tokens: list[int]):
+        T = len(tokens)
+        if not 1 <= T <= self.max_len:
+            raise ValueError(f"a sequence must have 1..{self.max_len} tokens (got {T})")
+        b = Bucket(num_tokens=smallest_at_least(self.len_buckets, T), num_seqs=1, max_pages=len(self.pages))
+        arrays = build_step_inputs([ScheduledSeq(list(tokens), 0, self.pages)], b, PAGE_SIZE)
+        inputs = StepInputs(**jax.tree.map(jnp.asarray, arrays))
+        aux, h, am, self.kv = self._step(self.cfg, self.aux_layer_ids, self.weights, self.kv, inputs)
+        return np.asarray(aux[:T]), np.asarray(h[:T]), np.asarray(am[:T])
+
+
+def _fp16(x: np.ndarray, what: str) -> np.ndarray:
+    y = x.astype(np.float16)
+    if not np.isfinite(y).all():
+        raise ValueError(f"{what} overflows float16 (max |x| = {np.abs(x).max():.1f}); store float32 instead")
+    return y
+
+
+def extract(samples: list[dict], target: TargetFeatures, out_dir: str, log_every: int = 20) -> dict:
+    """Run the target over every sample and write the feature directory (layout in the module docstring)."""
+    seqs = []
+    for r in samples:
+        p, o = list(r["prompt_token_ids"]), list(r["output_token_ids"])
+        ids = (p + o)[: target.max_len]
+        if len(ids) > len(p):  # at least one output token left
+            seqs.append((ids, len(p)))
+    if not seqs:
+        raise ValueError("no sample has an output token within max_len")
+    lengths = np.array([len(s) for s, _ in seqs], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]])
+    N, D = int(lengths.sum()), target.cfg.hidden_size
+    os.makedirs(out_dir, exist_ok=True)
+    mm = np.lib.format.open_memmap
+    aux = mm(os.path.join(out_dir, "aux.npy"), "w+", np.float16, (N, 3 * D))
+    hid = mm(os.path.join(out_dir, "hidden.npy"), "w+", np.float16, (N, D))
+    toks = mm(os.path.join(out_dir, "tokens.npy"), "w+", np.int32, (N,))
+    am = mm(os.path.join(out_dir, "target_argmax.npy"), "w+", np.int32, (N,))
+    is_out = mm(os.path.join(out_dir, "is_output.npy"), "w+", np.uint8, (N,))
+    t0 = time.perf_counter()
+    for s, (ids, P) in enumerate(seqs):
+        a, h, g = target(ids)
+        sl = slice(int(offsets[s]), int(offsets[s]) + len(ids))
+        aux[sl], hid[sl] = _fp16(a, "an aux feature"), _fp16(h, "a final hidden state")
+        toks[sl], am[sl] = ids, g
+        is_out[sl] = np.arange(len(ids)) >= P
+        if log_every and (s + 1) % log_every == 0:
+            dt = time.perf_counter() - t0
+            done = int(offsets[s]) + len(ids)
+            print(f"[features] {s + 1}/{len(seqs)} samples, {done} tokens, {done / dt:.0f} tok/s", flush=True)
+    for a in (aux, hid, toks, am, is_out):
+        a.flush()
+    np.savez(os.path.join(out_dir, "index.npz"), offsets=offsets, lengths=lengths,
+             prompt_lens=np.array([P for _, P in seqs], np.int32))
+    meta = dict(model=target.path, aux_layer_ids=list(target.aux_layer_ids), hidden_size=D,
+                vocab_size=target.cfg.vocab_size, max_len=target.max_len, num_samples=len(seqs), num_tokens=N)
+    with open(os.path.join(out_dir, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+@dataclass
+class FeatureStore:
+    """A feature directory opened read-only (arrays memory-mapped)."""
+
+    meta: dict
+    offsets: np.ndarray  # i64[S]
+    lengths: np.ndarray  # i32[S]
+    prompt_lens: np.ndarray  # i32[S]
+    aux: np.ndarray  # f16[N, 3D]
+    hidden: np.ndarray  # f16[N, D]
+    tokens: np.ndarray  # i32[N]
+    target_argmax: np.ndarray  # i32[N]
+    is_output: np.ndarray  # u8[N]
+
+    @classmethod
+    def open(cls, path: str) -> "FeatureStore":
+        if not os.path.isfile(os.path.join(path, "meta.json")):
+            raise FileNotFoundError(f"{path}: no meta.json; run `python -m training.eagle3 features` first")
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        idx = np.load(os.path.join(path, "index.npz"))
+        ld = lambda n: np.load(os.path.join(path, n + ".npy"), mmap_mode="r")  # noqa: E731
+        return cls(meta, idx["offsets"], idx["lengths"], idx["prompt_lens"], ld("aux"), ld("hidden"), ld("tokens"),
+                   ld("target_argmax"), ld("is_output"))
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.lengths)
+
+    def rows(self, s: int) -> slice:
+        return slice(int(self.offsets[s]), int(self.offsets[s]) + int(self.lengths[s]))

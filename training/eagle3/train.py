@@ -1,0 +1,202 @@
+"""The Optax training loop for an EAGLE-3 head over a feature directory (features.py), with held-out evaluation.
+
+Parameters: every `Eagle3Weights` array except `d2t` (the vocabulary is fixed before training); fp32. The embedding
+is the target's, frozen and passed separately. Init: lm_head columns = the target's output-embedding rows of the draft
+ids, norms = 1, other matrices ~ N(0, 0.02). Optimizer: global-norm clip, AdamW (b1 0.9, b2 0.95, weight decay on
+matrices only), linear warmup then cosine decay to 10% of the peak. Norm flags: all False (see Eagle3Config);
+export.py writes whatever the config holds, so training and serving agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader import load_checkpoint
+from jaxserve.loader.eagle3 import load_eagle3
+from jaxserve.loader.weights import to_weights
+from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights
+from training.eagle3.batches import assemble, plan_batches
+from training.eagle3.export import export_speculators
+from training.eagle3.features import FeatureStore
+from training.eagle3.ttt import VocabArrays, acceptance, ttt_loss
+from training.eagle3.vocab import build_vocab, coverage, token_counts, vocab_mapping
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    lr: float = 1e-3
+    warmup_frac: float = 0.05
+    epochs: float = 1.0
+    max_steps: int | None = None  # overrides epochs
+    batch_tokens: int = 1024
+    ttt_steps: int = 4
+    loss_decay: float = 0.8
+    draft_vocab_size: int = 8192
+    weight_decay: float = 0.01
+    clip_norm: float = 0.5
+    len_buckets: tuple[int, ...] = (256, 384, 640, 1280)
+    win_buckets: tuple[int, ...] = (168, 264)  # regenerate.py: raw replies 160 tokens, chat <= 256
+    eval_frac: float = 0.05
+    log_every: int = 10
+    save_every: int = 0  # steps between checkpoints (0: only the final export)
+    num_speculative_tokens: int = 3  # written into the exported config
+    seed: int = 0
+
+
+def head_config(target: ModelConfig, aux_layer_ids, draft_vocab_size: int) -> Eagle3Config:
+    layer = dataclasses.replace(target, architecture="llama", num_layers=1, tie_word_embeddings=False,
+                                attention_bias=False, qk_norm=False, bos_token_id=None, eos_token_ids=())
+    return Eagle3Config(layer=layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=tuple(aux_layer_ids))
+
+
+def init_head(cfg: Eagle3Config, out_embed: np.ndarray, draft_ids: np.ndarray, seed: int) -> Eagle3Weights:
+    """out_embed f32[V, D] (the target's lm_head rows), draft_ids i64[Vd] -> trainable weights (d2t=None)."""
+    c = cfg.layer
+    D, F, NH, KH = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: jnp.asarray(0.02 * rng.standard_normal(s), jnp.float32)  # noqa: E731
+    ones = lambda: jnp.ones((D,), jnp.float32)  # noqa: E731  (one buffer each: the train step donates them)
+    return Eagle3Weights(
+        fc=normal(3 * D, D), embed_norm=ones(), hidden_norm=ones(), wq=normal(2 * D, NH), wk=normal(2 * D, KH),
+        wv=normal(2 * D, KH), wo=normal(NH, D), mlp_norm=ones(), w_gate=normal(D, F), w_up=normal(D, F),
+        w_down=normal(F, D), final_norm=ones(), lm_head=jnp.asarray(out_embed[draft_ids].T, jnp.float32), d2t=None,
+    )
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def make_optimizer(tc: TrainConfig, total_steps: int) -> optax.GradientTransformation:
+    warmup = max(1, int(tc.warmup_frac * total_steps))
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, warmup, max(total_steps, warmup + 1), end_value=0.1 * tc.lr)
+    return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=_decay_mask))
+
+
+def load_target_embeddings(model: str) -> tuple[ModelConfig, np.ndarray, np.ndarray]:
+    """-> (target config, input embedding f32[V, D], output embedding f32[V, D])."""
+    ck = load_checkpoint(model)
+    w = to_weights(ck.config, ck.tensors, np.float32, ck.path)
+    return ck.config, np.asarray(w.embed), np.asarray(w.embed if w.lm_head is None else w.lm_head.T)
+
+
+def split(num_samples: int, eval_frac: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic held-out split -> (train ids, eval ids); at least one eval sample when eval_frac > 0."""
+    perm = np.random.default_rng(seed).permutation(num_samples)
+    n_eval = min(num_samples - 1, max(1, round(eval_frac * num_samples))) if eval_frac > 0 else 0
+    return np.sort(perm[n_eval:]), np.sort(perm[:n_eval])
+
+
+def _eval_step(loss_fn, params, embed, vocab, batch):
+    return loss_fn(params, embed, vocab, batch)[1]
+
+
+def _train_step(loss_fn, params, opt_state, embed, vocab, batch, *, tx):
+    """-> (params, opt_state, loss, stats); params and opt_state are donated by the caller's jit."""
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, embed, vocab, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, stats
+
+
+class Trainer:
+    def __init__(self, store: FeatureStore, tc: TrainConfig, model: str | None = None, head: str | None = None):
+        """`head`: start from an exported head (its vocabulary and weights) instead of a fresh one."""
+        self.store, self.tc = store, tc
+        self.model = model or store.meta["model"]
+        tcfg, embed, out_embed = load_target_embeddings(self.model)
+        if tcfg.hidden_size != store.meta["hidden_size"] or tcfg.vocab_size != store.meta["vocab_size"]:
+            raise ValueError(f"features in {store.meta} were not made by target {self.model}")
+        self.train_ids, self.eval_ids = split(store.num_samples, tc.eval_frac, tc.seed)
+        rows = np.concatenate([np.arange(store.offsets[s], store.offsets[s] + store.lengths[s]) for s in self.train_ids])
+        counts = token_counts(store.tokens[rows], store.is_output[rows], tcfg.vocab_size)
+        if head is None:
+            self.draft_ids, self.d2t, self.t2d = build_vocab(counts, tc.draft_vocab_size)
+            self.cfg = head_config(tcfg, store.meta["aux_layer_ids"], tc.draft_vocab_size)
+        else:
+            self.cfg, w = load_eagle3(head, tcfg, np.float32)
+            if list(self.cfg.aux_layer_ids) != list(store.meta["aux_layer_ids"]):
+                raise ValueError(f"head {head} reads layers {self.cfg.aux_layer_ids}, the features hold "
+                                 f"{store.meta['aux_layer_ids']}")
+            self.draft_ids = np.arange(self.cfg.draft_vocab_size) + w.d2t.astype(np.int64)
+            self.d2t, self.t2d = vocab_mapping(self.draft_ids, tcfg.vocab_size)
+        print(f"[vocab] {len(self.draft_ids)} draft ids cover {coverage(counts, self.t2d):.4f} of "
+              f"{int(counts.sum())} training output tokens", flush=True)
+        self.embed = jnp.asarray(embed)
+        self.vocab = VocabArrays(draft_ids=jnp.asarray(self.draft_ids, jnp.int32), t2d=jnp.asarray(self.t2d),
+                                 target_head=jnp.asarray(out_embed[self.draft_ids].T))
+        if head is None:
+            self.params = init_head(self.cfg, out_embed, self.draft_ids, tc.seed)
+        else:
+            self.params = jax.tree.map(jnp.asarray, dataclasses.replace(w, d2t=None))
+        loss_fn = functools.partial(ttt_loss, self.cfg, num_steps=tc.ttt_steps, decay=tc.loss_decay)
+        self._eval_step = jax.jit(functools.partial(_eval_step, loss_fn))
+        self._train_step_fn = functools.partial(_train_step, loss_fn)
+
+    def _plans(self, ids, rng=None):
+        tc = self.tc
+        return plan_batches(self.store, ids, num_steps=tc.ttt_steps, len_buckets=tc.len_buckets,
+                            win_buckets=tc.win_buckets, batch_tokens=tc.batch_tokens, rng=rng)
+
+    def _batch(self, plan):
+        tc = self.tc
+        return jax.tree.map(jnp.asarray, assemble(self.store, plan, tc.ttt_steps, tc.len_buckets, tc.win_buckets))
+
+    def evaluate(self, params=None, ids=None) -> dict:
+        """Summed TTT stats over `ids` (default: the held-out split) -> acceptance() summary."""
+        params = self.params if params is None else params
+        ids = self.eval_ids if ids is None else ids
+        total = None
+        for plan in self._plans(ids):
+            s = self._eval_step(params, self.embed, self.vocab, self._batch(plan))
+            total = s if total is None else jax.tree.map(jnp.add, total, s)
+        if total is None:
+            raise ValueError("no samples to evaluate")
+        return acceptance(jax.device_get(total))
+
+    def export(self, path: str) -> None:
+        export_speculators(path, self.cfg, jax.device_get(self.params), self.d2t, self.t2d, verifier=self.model,
+                           num_speculative_tokens=self.tc.num_speculative_tokens)
+
+    def train(self, out_dir: str | None = None) -> list[dict]:
+        """Run the loop; returns the logged records (step, loss, acc per TTT step, seconds per step)."""
+        tc = self.tc
+        rng = np.random.default_rng(tc.seed)
+        per_epoch = len(self._plans(self.train_ids))
+        total = tc.max_steps if tc.max_steps is not None else max(1, int(round(tc.epochs * per_epoch)))
+        tx = make_optimizer(tc, total)
+        step_fn = jax.jit(functools.partial(self._train_step_fn, tx=tx), donate_argnums=(0, 1))
+        opt_state = tx.init(self.params)
+        print(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples, {per_epoch} batches per "
+              f"epoch, {total} steps", flush=True)
+        log, acc_stats, plans, step, t_last = [], None, [], 0, time.perf_counter()
+        while step < total:
+            if not plans:
+                plans = self._plans(self.train_ids, rng)
+            batch = self._batch(plans.pop())
+            self.params, opt_state, loss, stats = step_fn(self.params, opt_state, self.embed, self.vocab, batch)
+            acc_stats = stats if acc_stats is None else jax.tree.map(jnp.add, acc_stats, stats)
+            step += 1
+            if step % tc.log_every == 0 or step == total:
+                a = acceptance(jax.device_get(acc_stats))
+                dt = (time.perf_counter() - t_last) / (tc.log_every if step % tc.log_every == 0 else step % tc.log_every)
+                rec = dict(step=step, loss=float(loss), acc=a["acc"], tau=a["tau"], sec_per_step=dt)
+                log.append(rec)
+                print(f"[train] step {step}/{total} loss {float(loss):.3f} acc "
+                      f"{' '.join(f'{x:.3f}' for x in a['acc'])} tau {a['tau']:.2f} {dt:.2f} s/step", flush=True)
+                acc_stats, t_last = None, time.perf_counter()
+            if out_dir and tc.save_every and step % tc.save_every == 0:
+                self.export(os.path.join(out_dir, f"step-{step}"))
+        if out_dir:
+            self.export(out_dir)
+        return log
