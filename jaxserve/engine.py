@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import attention
 from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket, row_offsets
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
@@ -82,6 +83,9 @@ class LLMEngine:
         dtype = engine_config.dtype or default_dtype()
         max_model_len = min(engine_config.max_model_len, ckpt.config.max_position_embeddings)
         engine_config = engine_config.replace(dtype=dtype, max_model_len=max_model_len)
+        if attention.uses_native_kernel(attention.attention_backend()):
+            # The native CPU kernel walks only each sequence's own pages: one block-table size serves every step.
+            engine_config = engine_config.replace(page_buckets=engine_config.page_buckets[-1:])
         kv_dtype = kv_storage_dtype(engine_config.kv_cache_dtype, dtype)
         extra = proposer_cache_configs(engine_config.speculative_config, ckpt.config)
         engine_config = engine_config.replace(num_pages=resolve_num_pages(engine_config, ckpt.config, kv_dtype, extra))

@@ -20,7 +20,7 @@ import numpy as np
 from jaxserve.batch import Bucket, StepInputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import KVCache, init_kv_cache, kv_cache_bytes
-from jaxserve.model.llama import Weights, compute_logits, forward
+from jaxserve.model.llama import Weights, compute_logits, forward, unstack_layers
 from jaxserve.packing import Layout, as_float, pack_outputs
 from jaxserve.sampler import SamplerOutput, SamplingInputs, sample
 
@@ -122,6 +122,9 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         self.kv_dtype = jnp.dtype(kv_storage_dtype(engine_cfg.kv_cache_dtype, dtype))
         enable_compilation_cache()
+        self.scan_layers = engine_cfg.scan_layers if engine_cfg.scan_layers is not None else jax.default_backend() != "cpu"
+        if not self.scan_layers:
+            host_weights = unstack_layers(host_weights)  # `forward` unrolls the layers
         self.weights = jax.device_put(host_weights)
         num_pages = engine_cfg.num_pages
         if num_pages is None:

@@ -12,7 +12,7 @@ from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
-from jaxserve.model.llama import compute_logits, forward
+from jaxserve.model.llama import compute_logits, forward, unstack_layers
 
 
 def forward_logits(cfg, weights, kv, inputs):
@@ -23,10 +23,12 @@ def forward_logits(cfg, weights, kv, inputs):
 class PagedModel:
     """Runs ragged steps on a checkpoint; sequence i owns pages [1 + i*pages_per_seq, ...)."""
 
-    def __init__(self, path: str, *, num_seqs: int = 4, page_size: int = 4, pages_per_seq: int = 16, dtype="float32"):
+    def __init__(self, path: str, *, num_seqs: int = 4, page_size: int = 4, pages_per_seq: int = 16, dtype="float32",
+                 scan_layers: bool = True):
         ckpt = load_checkpoint(path)
         self.cfg = ckpt.config
-        self.weights = jax.device_put(to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype)))
+        weights = to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype))
+        self.weights = jax.device_put(weights if scan_layers else unstack_layers(weights))
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
         self.kv = init_kv_cache(self.cfg, 1 + num_seqs * pages_per_seq, page_size, jnp.dtype(dtype))

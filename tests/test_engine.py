@@ -174,6 +174,41 @@ def test_engine_config_validation():
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="must be >= max_num_seqs"):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="page_buckets must be >= 1 and the largest must hold max_model_len=2048"):
+        EngineConfig(page_buckets=(8, 64))
+    assert EngineConfig().page_buckets == (8, 16, 32, 64, 128)
+    assert EngineConfig(max_model_len=1000, page_buckets=(4, 32, 64, 128)).page_buckets == (4, 32, 64)
+
+
+def test_layers_unrolled_on_cpu_read_weights_in_place(tiny):
+    """On the CPU the layers run unrolled over per-layer weights (same outputs as the scanned stack), and no compiled
+    step slices a layer's weight matrices out of a stacked array: under `lax.scan`, XLA:CPU copies them every step.
+    With the native attention kernel the engine compiles one page bucket."""
+    import re
+
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64, precompile=False)
+    scanned, unrolled = LLM(tiny[0], scan_layers=True, **kw), LLM(tiny[0], **kw)
+    assert not unrolled.llm_engine.runner.scan_layers and scanned.llm_engine.runner.scan_layers
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4, seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in unrolled.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in scanned.generate(prompts, params, use_tqdm=False)
+    ]
+
+    layers = scanned.llm_engine.runner.weights.layers
+    matrices = {f"f32[1,{a},{b}]" for a, b in (layers.wq.shape[1:], layers.w_up.shape[1:], layers.w_down.shape[1:])}
+
+    def weight_slices(llm) -> list[str]:
+        r = llm.llm_engine.runner
+        hlo = r.executable(r.all_buckets()[0]).as_text()
+        return [m for m in re.findall(r"= (f32\[[\d,]+\])\S* dynamic-slice\(", hlo) if m in matrices]
+
+    assert weight_slices(scanned), "the scanned step should slice stacked weights (else this test checks nothing)"
+    assert weight_slices(unrolled) == []
+    from jaxserve import attention
+
+    if attention.uses_native_kernel(attention.attention_backend()):
+        assert unrolled.llm_engine.config.page_buckets == (16,)
 
 
 def test_abort_frees_everything(llm):

@@ -23,10 +23,12 @@ def variant(request, tmp_path_factory):
     return request.param, str(path), hf
 
 
-def test_prefill_and_decode_match_hf(variant):
-    """Two sequences prefilled together in one ragged step, then decoded together: logits match HF at every step."""
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_prefill_and_decode_match_hf(variant, scan_layers):
+    """Two sequences prefilled together in one ragged step, then decoded together: logits match HF at every step,
+    with the layers scanned over stacked weights and unrolled over per-layer weights (the CPU default)."""
     name, path, hf = variant
-    m = PagedModel(path)
+    m = PagedModel(path, scan_layers=scan_layers)
     rng = np.random.default_rng(1)
     seqs = {0: rng.integers(3, 300, 13).tolist(), 1: rng.integers(3, 300, 6).tolist()}
     out = m.step(seqs, num_tokens=32)  # padded tokens must not disturb anything
