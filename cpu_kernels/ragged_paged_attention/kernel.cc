@@ -202,6 +202,16 @@ inline V8 Exp8(V8 x) {
 
 inline float Exp(float x) { return Exp8(Splat8(x))[0]; }
 
+// 8 int8 / bfloat16 values widened to f32 lanes at once (sign-extend + convert; bf16 is the high half of an f32).
+typedef int8_t V8s8u __attribute__((vector_size(8), aligned(1)));
+typedef uint16_t V8u16u __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t V8u32 __attribute__((vector_size(32)));
+inline V8 LoadS8x8(const int8_t* p) { return __builtin_convertvector(*reinterpret_cast<const V8s8u*>(p), V8); }
+inline V8 LoadBf16x8(const uint16_t* p) {
+  const V8u32 wide = __builtin_convertvector(*reinterpret_cast<const V8u16u*>(p), V8u32) << 16;
+  return reinterpret_cast<V8>(wide);
+}
+
 // One key or value row (H values at pool row `row` = (page * page_size + offset) * K + kv head) as f32 times
 // `scale`, zero-padded to Hp (a multiple of 8) columns: a pointer into the page itself when that is already the
 // case (f32 cache, no scale, H % 8 == 0), else a converted copy in `buf`.
@@ -218,7 +228,9 @@ inline const float* LoadRow(const Problem& p, const void* pages, int64_t row, co
     }
     case KvKind::kBf16: {
       const uint16_t* src = static_cast<const uint16_t*>(pages) + base;
-      for (int64_t h = 0; h < H; ++h) buf[h] = Bf16ToF32(src[h]);
+      int64_t h = 0;
+      for (; h + kLanes <= H; h += kLanes) Store8(buf + h, LoadBf16x8(src + h));
+      for (; h < H; ++h) buf[h] = Bf16ToF32(src[h]);
       break;
     }
     case KvKind::kF16: {
@@ -228,7 +240,9 @@ inline const float* LoadRow(const Problem& p, const void* pages, int64_t row, co
     }
     case KvKind::kS8: {
       const int8_t* src = static_cast<const int8_t*>(pages) + base;
-      for (int64_t h = 0; h < H; ++h) buf[h] = static_cast<float>(src[h]) * scale;
+      int64_t h = 0;
+      for (; h + kLanes <= H; h += kLanes) Store8(buf + h, LoadS8x8(src + h) * scale);
+      for (; h < H; ++h) buf[h] = static_cast<float>(src[h]) * scale;
       break;
     }
     case KvKind::kFp8: {
