@@ -193,7 +193,7 @@ class EngineConfig:
                 f"({m} pages of {self.page_size}); got {self.page_buckets}"
             )
         # Buckets past the first one that holds max_model_len could never be chosen (e.g. after max_model_len shrank).
-        object.__setattr__(self, "page_buckets", tuple(p for p in pages if p < m) + (min(p for p in pages if p >= m),))
+        object.__setattr__(self, "page_buckets", tuple(p for p in pages if p < m) + (next(p for p in pages if p >= m),))
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -2,8 +2,9 @@
 
 The variants differ only in data the config carries: GQA/MQA head counts, an explicit head_dim, RoPE scaling,
 tied embeddings, q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
-Layers are stacked on a leading axis and run with `lax.scan`; the KV cache rides in the scan carry so that each
-layer's write is an in-place scatter into the donated buffer.
+Layers are stacked on a leading axis and run with `lax.scan`, or, given per-layer weights (`unstack_layers`, the
+CPU default), unrolled; either way the KV cache rides in the carry so that each layer's write is an in-place
+scatter into the donated buffer.
 """
 
 from __future__ import annotations
