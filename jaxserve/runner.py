@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import matmul as cpu_matmul
 from jaxserve.batch import Bucket, StepInputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import KVCache, init_kv_cache, kv_cache_bytes
-from jaxserve.model.llama import Weights, compute_logits, forward, unstack_layers
+from jaxserve.model.llama import Weights, compute_logits, forward, pack_linear_weights, unstack_layers
 from jaxserve.packing import Layout, as_float, pack_outputs
 from jaxserve.sampler import SamplerOutput, SamplingInputs, sample
 
@@ -29,6 +30,34 @@ logger = logging.getLogger(__name__)
 
 def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+MATMUL_BACKEND_ENV = "JAXSERVE_MATMUL_BACKEND"
+MATMUL_BACKENDS = ("auto", "xla", "native")
+
+
+def use_native_matmul(dtype: str, scan_layers: bool) -> bool:
+    """Whether the model's linear maps run on the native CPU matmul (`cpu_kernels.matmul`, packed weights).
+
+    `JAXSERVE_MATMUL_BACKEND`: `auto` (the default) = yes on the CPU backend for float32 weights and unrolled layers
+    when the library loads; `xla` = never; `native` = yes, or an error saying which condition fails.
+    """
+    choice = os.environ.get(MATMUL_BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in MATMUL_BACKENDS:
+        raise ValueError(f"{MATMUL_BACKEND_ENV} must be one of {MATMUL_BACKENDS} (got {choice!r})")
+    if choice == "xla":
+        return False
+    why_not = (f"the backend is {jax.default_backend()}, not cpu" if jax.default_backend() != "cpu"
+               else f"dtype is {dtype}, not float32" if jnp.dtype(dtype) != jnp.float32
+               else "layers are scanned (scan_layers=True)" if scan_layers else None)
+    if choice == "native":
+        if why_not:
+            raise ValueError(f"{MATMUL_BACKEND_ENV}=native cannot be used: {why_not}; use auto or xla")
+        if not cpu_matmul.load():
+            raise RuntimeError(f"{MATMUL_BACKEND_ENV}=native but the native CPU matmul library could not be built or "
+                               "loaded (see the warning above); install g++ or use auto / xla")
+        return True
+    return why_not is None and cpu_matmul.load()
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -125,6 +154,9 @@ class ModelRunner:
         self.scan_layers = engine_cfg.scan_layers if engine_cfg.scan_layers is not None else jax.default_backend() != "cpu"
         if not self.scan_layers:
             host_weights = unstack_layers(host_weights)  # `forward` unrolls the layers
+        self.native_matmul = use_native_matmul(dtype, self.scan_layers)
+        if self.native_matmul:
+            host_weights = pack_linear_weights(host_weights)
         self.weights = jax.device_put(host_weights)
         num_pages = engine_cfg.num_pages
         if num_pages is None:

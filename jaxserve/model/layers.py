@@ -1,4 +1,4 @@
-"""Stateless building blocks of a Llama-family block: RMSNorm, rotary embedding, gated MLP.
+"""Stateless building blocks of a Llama-family block: linear maps, RMSNorm, rotary embedding, gated MLP.
 
 Norms and rotary maths run in float32 whatever the weight dtype; results are cast back to the input dtype.
 """
@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import matmul as cpu_matmul
 from jaxserve.config import ModelConfig
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x: f[T, in] @ w [in, out] -> f[T, out]; `w` is an array or a `PackedLinear` (the native CPU matmul)."""
+    if isinstance(w, cpu_matmul.PackedLinear):
+        return cpu_matmul.matmul(x, w)
+    return x @ w
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -57,9 +65,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP. x: f[T, D], w_gate/w_up: f[D, F], w_down: f[F, D] -> f[T, D]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def gated_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """SwiGLU MLP. x: f[T, D], w_gate/w_up: [D, F], w_down: [F, D] (arrays or packed, see `linear`) -> f[T, D]."""
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
 def argmax(x: jax.Array) -> jax.Array:

@@ -4,7 +4,8 @@ The variants differ only in data the config carries: GQA/MQA head counts, an exp
 tied embeddings, q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
 Layers are stacked on a leading axis and run with `lax.scan`, or, given per-layer weights (`unstack_layers`, the
 CPU default), unrolled; either way the KV cache rides in the carry so that each layer's write is an in-place
-scatter into the donated buffer.
+scatter into the donated buffer. Unrolled f32 weights can also be packed for the native CPU matmul
+(`pack_linear_weights`, the CPU default); every linear map goes through `layers.linear`, which takes either form.
 """
 
 from __future__ import annotations
@@ -16,18 +17,23 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from cpu_kernels import matmul as cpu_matmul
 from jaxserve import attention
 from jaxserve.batch import StepInputs
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
-from jaxserve.model.layers import apply_rope, gated_mlp, rms_norm, rope_inv_freq
+from jaxserve.model.layers import apply_rope, gated_mlp, linear, rms_norm, rope_inv_freq
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class LayerWeights:
-    """One array per parameter, stacked over layers (leading axis L). Linear weights are [in, out]."""
+    """One array per parameter, stacked over layers (leading axis L). Linear weights are [in, out].
+
+    Per-layer copies (`unstack_layers`) drop the L axis; `pack_linear_weights` then replaces the seven linear
+    weights with `PackedLinear`s."""
 
     attn_norm: jax.Array  # f[L, D]
     wq: jax.Array  # f[L, D, N*H]
@@ -51,7 +57,7 @@ class Weights:
     embed: jax.Array  # f[V, D]
     layers: LayerWeights
     final_norm: jax.Array  # f[D]
-    lm_head: Optional[jax.Array] = None  # f[D, V]; None when tied to `embed`
+    lm_head: Optional[jax.Array] = None  # f[D, V]; None when tied to `embed` (a PackedLinear once packed, tied or not)
 
 
 def unstack_layers(weights: Weights) -> Weights:
@@ -66,12 +72,30 @@ def unstack_layers(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=layers)
 
 
+LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def pack_linear_weights(weights: Weights) -> Weights:
+    """Unrolled f32 weights (`unstack_layers`) with every linear weight packed for the native CPU matmul.
+
+    The logits projection is packed too: `lm_head`, or for tied embeddings a packed copy of `embed.T` (one more
+    V x D matrix in memory; `embed` itself stays for the token lookup). Host-side, once, before `device_put`.
+    """
+    if isinstance(weights.layers, LayerWeights):
+        raise ValueError("pack_linear_weights needs per-layer weights: call unstack_layers first")
+    layers = tuple(
+        dataclasses.replace(w, **{f: cpu_matmul.pack(getattr(w, f)) for f in LINEAR_FIELDS}) for w in weights.layers
+    )
+    head = weights.lm_head if weights.lm_head is not None else np.asarray(weights.embed).T
+    return dataclasses.replace(weights, layers=layers, lm_head=cpu_matmul.pack(head))
+
+
 def _attention_block(cfg: ModelConfig, w: LayerWeights, x, positions, inv_freq):
     """Pre-norm projections and RoPE. x: f[T, D] -> q f[T, N, H], k/v f[T, K, H]."""
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-    q, k, v = h @ w.wq, h @ w.wk, h @ w.wv
+    q, k, v = linear(h, w.wq), linear(h, w.wk), linear(h, w.wv)
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
@@ -111,7 +135,7 @@ def forward(
             q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq)
             kv = write_kv(kv, i, k, v, inputs.slot_mapping)
             o = attention.ragged_paged_attention(q, kv, i, inputs, meta, sm_scale=sm_scale)
-            h = x + o.reshape(x.shape[0], -1) @ w.wo
+            h = x + linear(o.reshape(x.shape[0], -1), w.wo)
         with jax.named_scope("mlp"):
             out = h + gated_mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
         return (out, kv, hidden), None
@@ -134,6 +158,8 @@ def compute_logits(weights: Weights, h: jax.Array) -> jax.Array:
     """h: f[R, D] (already final-normed) -> f32[R, V]."""
     if weights.lm_head is None:
         out = jnp.einsum("rd,vd->rv", h, weights.embed, preferred_element_type=jnp.float32)
+    elif isinstance(weights.lm_head, cpu_matmul.PackedLinear):
+        out = linear(h, weights.lm_head)
     else:
         out = jnp.einsum("rd,dv->rv", h, weights.lm_head, preferred_element_type=jnp.float32)
     return out
