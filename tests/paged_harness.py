@@ -12,7 +12,7 @@ from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
-from jaxserve.model.llama import compute_logits, forward, unstack_layers
+from jaxserve.model.llama import compute_logits, forward, pack_linear_weights, unstack_layers
 
 
 def forward_logits(cfg, weights, kv, inputs):
@@ -24,11 +24,17 @@ class PagedModel:
     """Runs ragged steps on a checkpoint; sequence i owns pages [1 + i*pages_per_seq, ...)."""
 
     def __init__(self, path: str, *, num_seqs: int = 4, page_size: int = 4, pages_per_seq: int = 16, dtype="float32",
-                 scan_layers: bool = True):
+                 layers: str = "scanned"):
+        """`layers`: "scanned" (stacked weights, lax.scan), "unrolled" (per-layer weights) or "packed" (unrolled,
+        linear weights packed for the native CPU matmul)."""
         ckpt = load_checkpoint(path)
         self.cfg = ckpt.config
         weights = to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype))
-        self.weights = jax.device_put(weights if scan_layers else unstack_layers(weights))
+        if layers != "scanned":
+            weights = unstack_layers(weights)
+        if layers == "packed":
+            weights = pack_linear_weights(weights)
+        self.weights = jax.device_put(weights)
         self.page_size = page_size
         self.pages_per_seq = pages_per_seq
         self.kv = init_kv_cache(self.cfg, 1 + num_seqs * pages_per_seq, page_size, jnp.dtype(dtype))

@@ -23,12 +23,13 @@ def variant(request, tmp_path_factory):
     return request.param, str(path), hf
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-def test_prefill_and_decode_match_hf(variant, scan_layers):
+@pytest.mark.parametrize("layers", ["scanned", "unrolled", "packed"])
+def test_prefill_and_decode_match_hf(variant, layers):
     """Two sequences prefilled together in one ragged step, then decoded together: logits match HF at every step,
-    with the layers scanned over stacked weights and unrolled over per-layer weights (the CPU default)."""
+    with the layers scanned over stacked weights, unrolled over per-layer weights, and unrolled with every linear
+    map on the native CPU matmul (the CPU default)."""
     name, path, hf = variant
-    m = PagedModel(path, scan_layers=scan_layers)
+    m = PagedModel(path, layers=layers)
     rng = np.random.default_rng(1)
     seqs = {0: rng.integers(3, 300, 13).tolist(), 1: rng.integers(3, 300, 6).tolist()}
     out = m.step(seqs, num_tokens=32)  # padded tokens must not disturb anything

@@ -39,7 +39,7 @@ namespace {
 
 constexpr int64_t kNr = 32;  // columns per packed panel
 constexpr int64_t kMr = 12;  // rows of x per register block (12 x 2 accumulators + 2 W vectors <= 32 registers)
-constexpr int64_t kTargetTaskFlops = int64_t{1} << 21;  // ~50 us of work: enough to amortize a task hand-out
+constexpr int64_t kTargetTaskFlops = int64_t{1} << 21;  // ~25 us of work: enough to amortize a task hand-out
 
 struct Problem {
   const float* x;
@@ -159,10 +159,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   auto shared = std::make_shared<Shared>();
   shared->p = Problem{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n, wd[0]};
   const int64_t panel_flops = 2 * m * k * kNr;
-  const int64_t threads = pool.num_threads() + 1;
-  // Enough tasks for the threads to balance, each big enough to be worth handing out.
-  int64_t per = std::max<int64_t>(1, kTargetTaskFlops / panel_flops);
-  per = std::min(per, std::max<int64_t>(1, shared->p.panels / (4 * threads)));
+  // Tasks of about kTargetTaskFlops: a small product is one task on the calling thread (no hand-off at all).
+  const int64_t per = std::max<int64_t>(1, (kTargetTaskFlops + panel_flops - 1) / panel_flops);
   shared->panels_per_task = per;
   shared->tasks = (shared->p.panels + per - 1) / per;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->tasks - 1);
