@@ -255,11 +255,42 @@ inline const float* LoadRow(const Problem& p, const void* pages, int64_t row, co
   return buf;
 }
 
-// scores[r][j] = q[r] . k[j] for RT rows (stride Hp) and keys j in [j0, j1), two keys at a time.
+// Eight vectors -> one vector of their horizontal sums (lane i = the sum of v[i]'s lanes): a transposing add tree,
+// 7 adds and 14 shuffles instead of eight separate horizontal sums.
+inline V8 TransposeSum8(const V8* v) {
+  V8 p[4], q[2];
+  for (int i = 0; i < 4; ++i) {  // lanes A B A B A B A B: pairs of (v[2i], v[2i+1]) partial sums
+    p[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {  // lanes A B C D A B C D
+    q[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return __builtin_shufflevector(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// scores[r][j] = q[r] . k[j] for RT rows (stride Hp) and keys j in [j0, j1): eight keys at a time for up to three
+// rows (a decode token's query heads sharing a kv head; 8 x RT accumulators), then two at a time.
 template <int RT>
 void Scores(const float* q, const float* const* krow, int64_t j0, int64_t j1, int64_t Hp, float* scores,
             int64_t scores_stride) {
   int64_t j = j0;
+  if constexpr (RT <= 3) {
+    for (; j + 8 <= j1; j += 8) {
+      V8 a[RT][8] = {};
+      for (int64_t h = 0; h < Hp; h += kLanes) {
+        V8 y[RT];
+        for (int r = 0; r < RT; ++r) y[r] = Load8(q + r * Hp + h);
+        for (int c = 0; c < 8; ++c) {
+          const V8 x = Load8(krow[j + c] + h);
+          for (int r = 0; r < RT; ++r) a[r][c] += y[r] * x;
+        }
+      }
+      for (int r = 0; r < RT; ++r) Store8(scores + r * scores_stride + j, TransposeSum8(a[r]));
+    }
+  }
   for (; j + 2 <= j1; j += 2) {
     V8 a[RT][2] = {};
     const float* k0 = krow[j];
@@ -468,9 +499,12 @@ bool AttendChunk(const Problem& p, const Task& task, Workspace& ws, int64_t kv, 
       SoftmaxRow(p, ws, kv * R + r0 + i, s + i * C, u0, u1, ws.row_j0[r0 + i], ws.row_j1[r0 + i], Hp);
     }
     float* acc = &ws.acc[(kv * R + r0) * Hp];
-    int i = 0;
-    for (; i + 2 <= rt; i += 2) WeightedSum<2>(s + i * C, C, ws.vrow.data(), u0, u1, Hp, acc + i * Hp);
-    if (i < rt) WeightedSum<1>(s + i * C, C, ws.vrow.data(), u0, u1, Hp, acc + i * Hp);
+    switch (rt) {  // all the tile's rows in one pass over the chunk's values
+      case 1: WeightedSum<1>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+      case 2: WeightedSum<2>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+      case 3: WeightedSum<3>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+      default: WeightedSum<4>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+    }
   }
   return true;
 }
