@@ -9,7 +9,9 @@
 //     sees through the sliding window; hi = the block's last position; never the batch's longest context),
 //     kChunkKeys positions at a time, kv head by kv head, so together the heads read each page's contiguous
 //     [page_size, K, H] block. Each key and value row is read (and dequantized, scale folded in) once per chunk and
-//     used by all the block's rows for that kv head: B tokens x G query heads.
+//     used by all the block's rows for that kv head: B tokens x G query heads. An int8 cache in decode (few rows) is
+//     not copied at all: its rows are widened in registers where they are used, the key scales multiply the
+//     scores and the value scales fold into the softmax weights.
 //   * Per row: f32 scores (decode: dot products per key; many rows: against the chunk's transposed keys), optional
 //     soft cap, causal / window / validity mask, online softmax with the reference's flush (a weight exp(z) with
 //     z <= -80 is exactly 0: its share is < 1e-34 and a subnormal would make the arithmetic ~100x slower), weighted
@@ -41,6 +43,10 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -206,10 +212,24 @@ inline float Exp(float x) { return Exp8(Splat8(x))[0]; }
 typedef int8_t V8s8u __attribute__((vector_size(8), aligned(1)));
 typedef uint16_t V8u16u __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t V8u32 __attribute__((vector_size(32)));
+#if defined(__AVX2__)
+// GCC scalarizes the generic int8 -> f32 vector conversion (byte loads, scalar converts, inserts): spell it out.
+inline V8 LoadS8x8(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<V8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+}
+#else
 inline V8 LoadS8x8(const int8_t* p) { return __builtin_convertvector(*reinterpret_cast<const V8s8u*>(p), V8); }
+#endif
+inline V8 Load8(const int8_t* p) { return LoadS8x8(p); }  // a raw int8 KV row, widened (scale applied apart)
 inline V8 LoadBf16x8(const uint16_t* p) {
+#if defined(__AVX2__)
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<V8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+#else
   const V8u32 wide = __builtin_convertvector(*reinterpret_cast<const V8u16u*>(p), V8u32) << 16;
   return reinterpret_cast<V8>(wide);
+#endif
 }
 
 // One key or value row (H values at pool row `row` = (page * page_size + offset) * K + kv head) as f32 times
@@ -235,7 +255,13 @@ inline const float* LoadRow(const Problem& p, const void* pages, int64_t row, co
     }
     case KvKind::kF16: {
       const uint16_t* src = static_cast<const uint16_t*>(pages) + base;
-      for (int64_t h = 0; h < H; ++h) buf[h] = F16ToF32(src[h]);
+      int64_t h = 0;
+#if defined(__F16C__)
+      for (; h + kLanes <= H; h += kLanes) {
+        Store8(buf + h, reinterpret_cast<V8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + h)))));
+      }
+#endif
+      for (; h < H; ++h) buf[h] = F16ToF32(src[h]);
       break;
     }
     case KvKind::kS8: {
@@ -272,9 +298,10 @@ inline V8 TransposeSum8(const V8* v) {
 }
 
 // scores[r][j] = q[r] . k[j] for RT rows (stride Hp) and keys j in [j0, j1): eight keys at a time for up to three
-// rows (a decode token's query heads sharing a kv head; 8 x RT accumulators), then two at a time.
-template <int RT>
-void Scores(const float* q, const float* const* krow, int64_t j0, int64_t j1, int64_t Hp, float* scores,
+// rows (a decode token's query heads sharing a kv head; 8 x RT accumulators), then two at a time. Key rows are f32,
+// or raw int8 (E = int8_t: widened in registers; the caller multiplies the scores by the keys' scales).
+template <int RT, typename E>
+void Scores(const float* q, const E* const* krow, int64_t j0, int64_t j1, int64_t Hp, float* scores,
             int64_t scores_stride) {
   int64_t j = j0;
   if constexpr (RT <= 3) {
@@ -293,8 +320,8 @@ void Scores(const float* q, const float* const* krow, int64_t j0, int64_t j1, in
   }
   for (; j + 2 <= j1; j += 2) {
     V8 a[RT][2] = {};
-    const float* k0 = krow[j];
-    const float* k1 = krow[j + 1];
+    const E* k0 = krow[j];
+    const E* k1 = krow[j + 1];
     for (int64_t h = 0; h < Hp; h += kLanes) {
       const V8 x0 = Load8(k0 + h), x1 = Load8(k1 + h);
       for (int r = 0; r < RT; ++r) {
@@ -310,7 +337,7 @@ void Scores(const float* q, const float* const* krow, int64_t j0, int64_t j1, in
   }
   if (j < j1) {
     V8 a[RT] = {};
-    const float* k0 = krow[j];
+    const E* k0 = krow[j];
     for (int64_t h = 0; h < Hp; h += kLanes) {
       const V8 x0 = Load8(k0 + h);
       for (int r = 0; r < RT; ++r) a[r] += Load8(q + r * Hp + h) * x0;
@@ -341,9 +368,10 @@ void ScoresTransposed(const float* q, const float* kt, int64_t C, int64_t j0, in
   }
 }
 
-// acc[r] += sum_j w[r][j] * v[j] for RT rows and keys j in [j0, j1), 32 columns at a time.
-template <int RT>
-void WeightedSum(const float* w, int64_t w_stride, const float* const* vrow, int64_t j0, int64_t j1, int64_t Hp,
+// acc[r] += sum_j w[r][j] * v[j] for RT rows and keys j in [j0, j1), 32 columns at a time. Value rows are f32, or
+// raw int8 (E = int8_t; the caller has folded the values' scales into w).
+template <int RT, typename E>
+void WeightedSum(const float* w, int64_t w_stride, const E* const* vrow, int64_t j0, int64_t j1, int64_t Hp,
                  float* acc) {
   int64_t h = 0;
   for (; h + 4 * kLanes <= Hp; h += 4 * kLanes) {
@@ -351,7 +379,7 @@ void WeightedSum(const float* w, int64_t w_stride, const float* const* vrow, int
     for (int r = 0; r < RT; ++r)
       for (int c = 0; c < 4; ++c) a[r][c] = Load8(acc + r * Hp + h + c * kLanes);
     for (int64_t j = j0; j < j1; ++j) {
-      const float* v = vrow[j] + h;
+      const E* v = vrow[j] + h;
       const V8 x0 = Load8(v), x1 = Load8(v + kLanes), x2 = Load8(v + 2 * kLanes), x3 = Load8(v + 3 * kLanes);
       for (int r = 0; r < RT; ++r) {
         const V8 b = Splat8(w[r * w_stride + j]);
@@ -379,6 +407,8 @@ struct Workspace {
   std::vector<float> qf, m, l, acc;  // per row of every kv head: f32[K*R, Hp] queries, f32[K*R] max and sum, acc
   std::vector<float> kbuf, vbuf, kt, s;  // the chunk: f32[C, Hp] converted keys/values, f32[Hp, C] keys^T, [R, C]
   std::vector<const float*> krow, vrow;  // [C] the chunk's key / value rows (into the pages or the buffers)
+  std::vector<const int8_t*> krow8, vrow8;  // [C] int8 decode: raw key / value rows in the pages ...
+  std::vector<float> kscale, vscale;  // [C] ... and their scales
   std::vector<int64_t> kpos, row_j0, row_j1;  // [C] key positions; [R] each row's visible range in the chunk
 };
 
@@ -435,6 +465,9 @@ bool AttendChunk(const Problem& p, const Task& task, Workspace& ws, int64_t kv, 
   const int64_t Hp = (p.H + kLanes - 1) / kLanes * kLanes;
   constexpr int64_t C = kChunkKeys;
   const int32_t* table = p.block_tables + task.seq * p.max_pages;
+  // int8 rows with few query rows (decode): no converted copies; rows are widened in registers inside Scores /
+  // WeightedSum and the scales are applied to the scores and folded into the weights.
+  const bool raw8 = p.kv_kind == KvKind::kS8 && !transposed && p.H == Hp;
   int64_t n = 0;
   for (int64_t kp = c0, c1 = std::min(c0 + C, task.hi + 1); kp < c1;) {
     const int64_t pg = kp / ps, end = std::min(c1, (pg + 1) * ps);
@@ -444,8 +477,15 @@ bool AttendChunk(const Problem& p, const Task& task, Workspace& ws, int64_t kv, 
       continue;
     }
     for (int64_t row = ((static_cast<int64_t>(page) * ps + kp - pg * ps) * K + kv); kp < end; ++kp, row += K) {
-      ws.krow[n] = LoadRow(p, p.k_pages, row, p.k_scales, &ws.kbuf[n * Hp], Hp);
-      ws.vrow[n] = LoadRow(p, p.v_pages, row, p.v_scales, &ws.vbuf[n * Hp], Hp);
+      if (raw8) {
+        ws.krow8[n] = static_cast<const int8_t*>(p.k_pages) + row * p.H;
+        ws.vrow8[n] = static_cast<const int8_t*>(p.v_pages) + row * p.H;
+        ws.kscale[n] = p.k_scales[row];
+        ws.vscale[n] = p.v_scales[row];
+      } else {
+        ws.krow[n] = LoadRow(p, p.k_pages, row, p.k_scales, &ws.kbuf[n * Hp], Hp);
+        ws.vrow[n] = LoadRow(p, p.v_pages, row, p.v_scales, &ws.vbuf[n * Hp], Hp);
+      }
       ws.kpos[n] = kp;
       ++n;
     }
@@ -487,6 +527,16 @@ bool AttendChunk(const Problem& p, const Task& task, Workspace& ws, int64_t kv, 
         case 3: ScoresTransposed<3>(q, ws.kt.data(), C, u0, u1, Hp, s, C); break;
         default: ScoresTransposed<4>(q, ws.kt.data(), C, u0, u1, Hp, s, C); break;
       }
+    } else if (raw8) {
+      switch (rt) {
+        case 1: Scores<1>(q, ws.krow8.data(), u0, u1, Hp, s, C); break;
+        case 2: Scores<2>(q, ws.krow8.data(), u0, u1, Hp, s, C); break;
+        case 3: Scores<3>(q, ws.krow8.data(), u0, u1, Hp, s, C); break;
+        default: Scores<4>(q, ws.krow8.data(), u0, u1, Hp, s, C); break;
+      }
+      for (int i = 0; i < rt; ++i) {
+        for (int64_t j = u0; j < u1; ++j) s[i * C + j] *= ws.kscale[j];
+      }
     } else {
       switch (rt) {
         case 1: Scores<1>(q, ws.krow.data(), u0, u1, Hp, s, C); break;
@@ -499,11 +549,23 @@ bool AttendChunk(const Problem& p, const Task& task, Workspace& ws, int64_t kv, 
       SoftmaxRow(p, ws, kv * R + r0 + i, s + i * C, u0, u1, ws.row_j0[r0 + i], ws.row_j1[r0 + i], Hp);
     }
     float* acc = &ws.acc[(kv * R + r0) * Hp];
-    switch (rt) {  // all the tile's rows in one pass over the chunk's values
-      case 1: WeightedSum<1>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
-      case 2: WeightedSum<2>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
-      case 3: WeightedSum<3>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
-      default: WeightedSum<4>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+    if (raw8) {
+      for (int i = 0; i < rt; ++i) {
+        for (int64_t j = u0; j < u1; ++j) s[i * C + j] *= ws.vscale[j];
+      }
+      switch (rt) {  // all the tile's rows in one pass over the chunk's values
+        case 1: WeightedSum<1>(s, C, ws.vrow8.data(), u0, u1, Hp, acc); break;
+        case 2: WeightedSum<2>(s, C, ws.vrow8.data(), u0, u1, Hp, acc); break;
+        case 3: WeightedSum<3>(s, C, ws.vrow8.data(), u0, u1, Hp, acc); break;
+        default: WeightedSum<4>(s, C, ws.vrow8.data(), u0, u1, Hp, acc); break;
+      }
+    } else {
+      switch (rt) {
+        case 1: WeightedSum<1>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+        case 2: WeightedSum<2>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+        case 3: WeightedSum<3>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+        default: WeightedSum<4>(s, C, ws.vrow.data(), u0, u1, Hp, acc); break;
+      }
     }
   }
   return true;
@@ -526,6 +588,10 @@ void RunTask(const Problem& p, const Task& task, Workspace& ws) {
   ws.s.resize(R * C);
   ws.krow.resize(C);
   ws.vrow.resize(C);
+  ws.krow8.resize(C);
+  ws.vrow8.resize(C);
+  ws.kscale.resize(C);
+  ws.vscale.resize(C);
   ws.kpos.resize(C);
   ws.row_j0.resize(R);
   ws.row_j1.resize(R);
