@@ -242,6 +242,7 @@ class LLMEngine:
         made = {seq.seq_id: seq.spec_token_ids for seq in decoding} if after_step else {}
         for seq in running:
             seq.spec_token_ids = []
+        asked = made = 0
         for seq in decoding:
             p = seq.params
             k = k_step if p.num_speculative_tokens is None else min(k_step, p.num_speculative_tokens)
@@ -253,6 +254,9 @@ class LLMEngine:
                 seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
             elif k > 0:
                 seq.spec_token_ids = self.proposer.propose(seq.token_ids, k)
+                asked += k
+                made += len(seq.spec_token_ids)
+        self.spec.record_proposals(asked, made)  # host proposers may find nothing to propose (an n-gram miss)
 
     def _prompt_targets(self, work: list[ScheduledWork], num_tokens: int) -> np.ndarray | None:
         """Next-token targets for prompt chunks of requests that asked for prompt_logprobs (None if none did)."""

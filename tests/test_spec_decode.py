@@ -199,6 +199,33 @@ def test_controller_backs_off_when_speculation_does_not_pay():
     assert c3.choose_k(16, 16) == 0
 
 
+def test_controller_counts_proposals_that_were_not_made():
+    """An n-gram proposer finds drafts for only some sequences: the expected gain shrinks with the fill, and the step
+    must still clear MIN_GAIN over no speculation."""
+    from jaxserve.spec_decode import MIN_GAIN
+
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1)
+    c = SpecController(cfg, token_buckets=(16, 32))
+    c.record_step(16, 0.10)
+    c.record_step(32, 0.16)  # 16 decodes + 16 drafts cost 1.6x
+    for _ in range(40):
+        c.metrics.record(1, 1)  # every made draft is accepted: 2 tokens per decode for 1.6x the cost
+    assert c.choose_k(16, 16) == 1
+    for _ in range(50):
+        c.record_proposals(asked=16, made=4)  # only a quarter of the sequences get a draft
+    assert c.fill == pytest.approx(0.25, abs=0.01)
+    # 1.25 tokens per decode; 16 + 4 tokens still pad to the 32 bucket: 1.25 / 1.6 < 1
+    assert c.choose_k(16, 16) == 0
+    c2 = SpecController(cfg, token_buckets=(16, 32))
+    c2.record_step(16, 0.10)
+    c2.record_step(32, 0.10 * 2 / MIN_GAIN * 1.01)  # a gain just under MIN_GAIN: not worth it
+    for _ in range(40):
+        c2.metrics.record(1, 1)
+    assert c2.choose_k(16, 16) == 0
+    c2.cost[32] = 0.10 * 2 / MIN_GAIN * 0.9  # a clear gain
+    assert c2.choose_k(16, 16) == 1
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------------
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}

@@ -7,15 +7,18 @@ appends the accepted drafts plus one more token and rolls back the rest (KV slot
 simply overwritten later; pages past the sequence's end are freed).
 
 `SpecController` chooses K for each step (and each request may cap it, 0 = no speculation): it keeps the measured
-cost of each step size (unmeasured sizes interpolated linearly in tokens) and the measured acceptance rate per draft
-position (optimistic until 20 drafts were seen there, so each position gets tried), and picks the K that maximises
-expected tokens per second, `(1 + sum_i prod_{j<=i} a_j) / cost(tokens with K drafts each)`. K = 0 is always a
-candidate, so with honest measurements speculation never makes a loaded server slower than no speculation.
+cost of each step size (unmeasured sizes interpolated linearly in tokens), the measured acceptance rate per draft
+position (optimistic until 20 drafts were seen there, so each position gets tried) and the fill: the fraction of
+asked-for drafts a proposer actually made (an n-gram proposer finds no match for many sequences). It picks the K
+that maximises expected tokens per second, `(1 + f * sum_i prod_{j<=i} a_j) / cost(tokens + decodes * f * K)`, and
+speculates only if that beats K = 0 by `MIN_GAIN` (measurements are noisy; a marginal gain is not worth the risk of a
+loss), so with honest measurements speculation does not make a loaded server slower than no speculation.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer
@@ -107,8 +110,11 @@ class SpecMetrics:
         )
 
 
+MIN_GAIN = 1.05  # speculate only when the expected tokens per second beat no speculation by 5%
+
+
 class SpecController:
-    """Chooses K per step from measured step costs and acceptance (see the module docstring)."""
+    """Chooses K per step from measured step costs, acceptance and fill (see the module docstring)."""
 
     def __init__(self, cfg: SpeculativeConfig, token_buckets: tuple[int, ...], ema: float = 0.2):
         self.k_max = cfg.num_speculative_tokens
@@ -116,6 +122,7 @@ class SpecController:
         self.buckets = token_buckets
         self.ema = ema
         self.cost: dict[int, float] = {}  # token bucket -> EMA seconds per step
+        self.fill = 1.0  # EMA of drafts made / drafts asked for (optimistic until measured)
         self.metrics = SpecMetrics(self.k_max)
 
     def _bucket(self, n: int) -> int:
@@ -126,6 +133,11 @@ class SpecController:
         b = self._bucket(num_tokens)
         old = self.cost.get(b)
         self.cost[b] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+    def record_proposals(self, asked: int, made: int) -> None:
+        """A step's proposals: `asked` drafts requested over its decoding sequences, `made` actually proposed."""
+        if asked > 0:
+            self.fill = (1 - self.ema) * self.fill + self.ema * (made / asked)
 
     def _cost(self, num_tokens: int) -> float | None:
         """Seconds per step of `num_tokens` tokens: measured for its bucket, else linear in tokens through the two
@@ -144,17 +156,19 @@ class SpecController:
             return self.k_max
         rates = self.metrics.acceptance_rates()
         best_k, best = 0, None
-        expected = 1.0  # tokens per decode with k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j
+        expected = 1.0  # tokens per decode with k drafts: 1 + fill * sum_{i<=k} prod_{j<=i} a_j
         survive = 1.0
         for k in range(self.k_max + 1):
             if k:
                 # unmeasured position: optimistic prior, so every K gets tried and then measured
                 survive *= rates[k - 1] if self.metrics.num_drafts[k - 1] >= 20 else 1.0
-                expected += survive
-            cost = self._cost(base_tokens + num_decodes * k)
+                expected += self.fill * survive
+            cost = self._cost(base_tokens + math.ceil(num_decodes * k * self.fill))
             if cost is None:
                 return k  # nothing to estimate from yet: try it
             value = expected / cost
-            if best is None or value > best:
+            if best is None:
+                best = value * MIN_GAIN  # the bar any K > 0 must clear
+            elif value > best:
                 best_k, best = k, value
         return best_k
