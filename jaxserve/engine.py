@@ -110,6 +110,7 @@ class LLMEngine:
             dict.fromkeys(self.model_config.eos_token_ids + (self.tokenizer.eos_token_ids if self.tokenizer else ()))
         )
         self.spec: SpecController | None = None
+        self._timed_buckets: set = set()  # buckets whose step time the controller has seen once (see step)
         if engine_config.speculative_config is not None:
             self.spec = SpecController(engine_config.speculative_config, engine_config.token_buckets)
             self.proposer = make_proposer(engine_config.speculative_config, engine_config, self.model_config, self.runner)
@@ -226,7 +227,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         out, prompt_lp = self.runner.run(bucket, inputs, sampling, targets)
         if self.spec is not None:
-            self.spec.record_step(sum(w.num_tokens for w in work), time.perf_counter() - t0)
+            if bucket in self._timed_buckets:
+                self.spec.record_step(sum(w.num_tokens for w in work), time.perf_counter() - t0)
+            else:  # a bucket's first run is an outlier (one-time allocations), and a pessimistic first sample would
+                self._timed_buckets.add(bucket)  # never be revisited: the controller would avoid that size
         self.num_steps += 1
         if prompt_lp is not None:
             self._record_prompt_logprobs(work, prompt_lp)
@@ -237,26 +241,32 @@ class LLMEngine:
         running = self.scheduler.running
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         base = sum(min(s.num_uncomputed_tokens, self.config.max_num_batched_tokens) for s in running)
-        k_step = self.spec.choose_k(min(base, self.config.max_num_batched_tokens), len(decoding))
-        after_step = self.proposer.drafts_after_step
+        after_step, after_scheduling = self.proposer.drafts_after_step, self.proposer.drafts_after_scheduling
         made = {seq.seq_id: seq.spec_token_ids for seq in decoding} if after_step else {}
         for seq in running:
             seq.spec_token_ids = []
-        asked = made = 0
+        drafts = []  # per decoding sequence: its drafts (host proposers, or made after the last step), else None
+        caps = []  # ... and the most drafts it may have
         for seq in decoding:
             p = seq.params
-            k = k_step if p.num_speculative_tokens is None else min(k_step, p.num_speculative_tokens)
+            k = self.spec.k_max if p.num_speculative_tokens is None else min(self.spec.k_max, p.num_speculative_tokens)
             # Never propose past the request's end: at most k drafts + 1 token may still be emitted.
-            k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.config.max_model_len - seq.num_tokens - 1)
+            k = max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.config.max_model_len - seq.num_tokens - 1))
             if after_step:
-                seq.spec_token_ids = made[seq.seq_id][: max(k, 0)]  # drafted at the end of the previous step
-            elif k > 0 and self.proposer.drafts_after_scheduling:
-                seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
+                d = made[seq.seq_id][:k]  # drafted at the end of the previous step
+            elif after_scheduling:
+                d = None  # drafted once the scheduler has placed the sequence (pages for the draft model's KV)
+            else:
+                d = self.proposer.propose(seq.token_ids, k) if k else []  # host lookup: cheap, and shows what exists
+            drafts.append(d)
+            caps.append(k if d is None else len(d))
+        k_step = self.spec.choose_k(min(base, self.config.max_num_batched_tokens), caps)
+        for seq, d, cap in zip(decoding, drafts, caps):
+            k = min(k_step, cap)
+            if d is not None:
+                seq.spec_token_ids = d[:k]
             elif k > 0:
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, k)
-                asked += k
-                made += len(seq.spec_token_ids)
-        self.spec.record_proposals(asked, made)  # host proposers may find nothing to propose (an n-gram miss)
+                seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
 
     def _prompt_targets(self, work: list[ScheduledWork], num_tokens: int) -> np.ndarray | None:
         """Next-token targets for prompt chunks of requests that asked for prompt_logprobs (None if none did)."""

@@ -175,7 +175,7 @@ def test_controller_backs_off_when_speculation_does_not_pay():
     c = SpecController(cfg, token_buckets=(1, 2, 4, 8, 16, 32, 64))
     seen = []
     for _ in range(200):
-        k = c.choose_k(base_tokens=16, num_decodes=16)
+        k = c.choose_k(16, [3] * 16)
         seen.append(k)
         c.record_step(16 + 16 * k, 0.01 * (1 + k))  # cost grows linearly with tokens ...
         c.metrics.record(k, 0) if k else None  # ... and nothing is ever accepted
@@ -185,10 +185,10 @@ def test_controller_backs_off_when_speculation_does_not_pay():
 
     c2 = SpecController(cfg, token_buckets=(1, 2, 4, 8, 16, 32, 64))
     for _ in range(200):
-        k = c2.choose_k(base_tokens=2, num_decodes=2)
+        k = c2.choose_k(2, [3] * 2)
         c2.record_step(2 + 2 * k, 0.01)  # verify is free (memory-bound decode) ...
         c2.metrics.record(k, k) if k else None  # ... and everything is accepted
-    assert c2.choose_k(2, 2) == 3
+    assert c2.choose_k(2, [3] * 2) == 3
 
     c3 = SpecController(cfg, token_buckets=(1, 2, 4, 8, 16, 32, 64))
     c3.record_step(16, 0.1)
@@ -196,12 +196,12 @@ def test_controller_backs_off_when_speculation_does_not_pay():
     assert c3._cost(32) == pytest.approx(0.2)
     for _ in range(40):
         c3.metrics.record(3, 0)  # nothing is accepted at any position
-    assert c3.choose_k(16, 16) == 0
+    assert c3.choose_k(16, [3] * 16) == 0
 
 
-def test_controller_counts_proposals_that_were_not_made():
-    """An n-gram proposer finds drafts for only some sequences: the expected gain shrinks with the fill, and the step
-    must still clear MIN_GAIN over no speculation."""
+def test_controller_counts_only_the_drafts_that_exist():
+    """An n-gram proposer finds drafts for only some sequences: the gain and the cost count the drafts that exist,
+    and speculating must clear MIN_GAIN over no speculation."""
     from jaxserve.spec_decode import MIN_GAIN
 
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1)
@@ -209,21 +209,19 @@ def test_controller_counts_proposals_that_were_not_made():
     c.record_step(16, 0.10)
     c.record_step(32, 0.16)  # 16 decodes + 16 drafts cost 1.6x
     for _ in range(40):
-        c.metrics.record(1, 1)  # every made draft is accepted: 2 tokens per decode for 1.6x the cost
-    assert c.choose_k(16, 16) == 1
-    for _ in range(50):
-        c.record_proposals(asked=16, made=4)  # only a quarter of the sequences get a draft
-    assert c.fill == pytest.approx(0.25, abs=0.01)
-    # 1.25 tokens per decode; 16 + 4 tokens still pad to the 32 bucket: 1.25 / 1.6 < 1
-    assert c.choose_k(16, 16) == 0
+        c.metrics.record(1, 1)  # every draft is accepted: 2 tokens per decode for 1.6x the cost
+    assert c.choose_k(16, [1] * 16) == 1
+    # only 4 of 16 sequences have a draft: 20 tokens for 20 tokens' worth, padded to the 32 bucket (1.25 / 1.6 < 1)
+    assert c.choose_k(16, [1] * 4 + [0] * 12) == 0
+    assert c.choose_k(16, [0] * 16) == 0  # nothing to verify
     c2 = SpecController(cfg, token_buckets=(16, 32))
     c2.record_step(16, 0.10)
     c2.record_step(32, 0.10 * 2 / MIN_GAIN * 1.01)  # a gain just under MIN_GAIN: not worth it
     for _ in range(40):
         c2.metrics.record(1, 1)
-    assert c2.choose_k(16, 16) == 0
+    assert c2.choose_k(16, [1] * 16) == 0
     c2.cost[32] = 0.10 * 2 / MIN_GAIN * 0.9  # a clear gain
-    assert c2.choose_k(16, 16) == 1
+    assert c2.choose_k(16, [1] * 16) == 1
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------------

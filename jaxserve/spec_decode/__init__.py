@@ -7,18 +7,18 @@ appends the accepted drafts plus one more token and rolls back the rest (KV slot
 simply overwritten later; pages past the sequence's end are freed).
 
 `SpecController` chooses K for each step (and each request may cap it, 0 = no speculation): it keeps the measured
-cost of each step size (unmeasured sizes interpolated linearly in tokens), the measured acceptance rate per draft
-position (optimistic until 20 drafts were seen there, so each position gets tried) and the fill: the fraction of
-asked-for drafts a proposer actually made (an n-gram proposer finds no match for many sequences). It picks the K
-that maximises expected tokens per second, `(1 + f * sum_i prod_{j<=i} a_j) / cost(tokens + decodes * f * K)`, and
-speculates only if that beats K = 0 by `MIN_GAIN` (measurements are noisy; a marginal gain is not worth the risk of a
-loss), so with honest measurements speculation does not make a loaded server slower than no speculation.
+cost of each step size (unmeasured sizes interpolated linearly in tokens) and the measured acceptance rate per draft
+position (optimistic until 20 drafts were seen there, so each position gets tried). Given how many drafts each
+decoding sequence can have this step (what a host proposer such as n-gram actually found -- often nothing -- or
+the request's cap for a model proposer), it picks the K that maximises expected tokens per second,
+`sum_s (1 + sum_{i <= min(K, L_s)} prod_{j<=i} a_j) / cost(tokens + sum_s min(K, L_s))`, and speculates only if
+that beats K = 0 by `MIN_GAIN` (measurements are noisy; a marginal gain is not worth the risk of a loss), so with
+honest measurements speculation does not make a loaded server slower than no speculation.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.spec_decode.ngram import NgramProposer
@@ -114,7 +114,7 @@ MIN_GAIN = 1.05  # speculate only when the expected tokens per second beat no sp
 
 
 class SpecController:
-    """Chooses K per step from measured step costs, acceptance and fill (see the module docstring)."""
+    """Chooses K per step from measured step costs and acceptance (see the module docstring)."""
 
     def __init__(self, cfg: SpeculativeConfig, token_buckets: tuple[int, ...], ema: float = 0.2):
         self.k_max = cfg.num_speculative_tokens
@@ -122,7 +122,6 @@ class SpecController:
         self.buckets = token_buckets
         self.ema = ema
         self.cost: dict[int, float] = {}  # token bucket -> EMA seconds per step
-        self.fill = 1.0  # EMA of drafts made / drafts asked for (optimistic until measured)
         self.metrics = SpecMetrics(self.k_max)
 
     def _bucket(self, n: int) -> int:
@@ -133,11 +132,6 @@ class SpecController:
         b = self._bucket(num_tokens)
         old = self.cost.get(b)
         self.cost[b] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
-
-    def record_proposals(self, asked: int, made: int) -> None:
-        """A step's proposals: `asked` drafts requested over its decoding sequences, `made` actually proposed."""
-        if asked > 0:
-            self.fill = (1 - self.ema) * self.fill + self.ema * (made / asked)
 
     def _cost(self, num_tokens: int) -> float | None:
         """Seconds per step of `num_tokens` tokens: measured for its bucket, else linear in tokens through the two
@@ -150,23 +144,24 @@ class SpecController:
         (b0, c0), (b1, c1) = sorted(sorted(self.cost.items(), key=lambda kv: abs(kv[0] - b))[:2])
         return max(c0 + (c1 - c0) * (b - b0) / (b1 - b0), min(c0, c1))
 
-    def choose_k(self, base_tokens: int, num_decodes: int) -> int:
-        """K for this step, given `base_tokens` scheduled without drafts of which `num_decodes` could speculate."""
-        if not self.adaptive or num_decodes == 0:
+    def choose_k(self, base_tokens: int, draft_lens: list[int]) -> int:
+        """K for this step, given `base_tokens` scheduled without drafts and, per decoding sequence that may
+        speculate, the most drafts it can have (`draft_lens`)."""
+        if not self.adaptive or not draft_lens:
             return self.k_max
         rates = self.metrics.acceptance_rates()
+        # gain[m] = expected accepted drafts of a sequence with m drafts: sum_{i<=m} prod_{j<=i} a_j
+        gain, survive = [0.0], 1.0
+        for i in range(self.k_max):
+            # unmeasured position: optimistic prior, so every K gets tried and then measured
+            survive *= rates[i] if self.metrics.num_drafts[i] >= 20 else 1.0
+            gain.append(gain[-1] + survive)
         best_k, best = 0, None
-        expected = 1.0  # tokens per decode with k drafts: 1 + fill * sum_{i<=k} prod_{j<=i} a_j
-        survive = 1.0
-        for k in range(self.k_max + 1):
-            if k:
-                # unmeasured position: optimistic prior, so every K gets tried and then measured
-                survive *= rates[k - 1] if self.metrics.num_drafts[k - 1] >= 20 else 1.0
-                expected += self.fill * survive
-            cost = self._cost(base_tokens + math.ceil(num_decodes * k * self.fill))
+        for k in range(min(self.k_max, max(draft_lens)) + 1):
+            cost = self._cost(base_tokens + sum(min(k, L) for L in draft_lens))
             if cost is None:
                 return k  # nothing to estimate from yet: try it
-            value = expected / cost
+            value = (len(draft_lens) + sum(gain[min(k, L)] for L in draft_lens)) / cost
             if best is None:
                 best = value * MIN_GAIN  # the bar any K > 0 must clear
             elif value > best:
