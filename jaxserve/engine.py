@@ -111,6 +111,7 @@ class LLMEngine:
         )
         self.spec: SpecController | None = None
         self._timed_buckets: set = set()  # buckets whose step time the controller has seen once (see step)
+        self._proposer_seconds = 0.0
         if engine_config.speculative_config is not None:
             self.spec = SpecController(engine_config.speculative_config, engine_config.token_buckets)
             self.proposer = make_proposer(engine_config.speculative_config, engine_config, self.model_config, self.runner)
@@ -220,21 +221,27 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if not work:
             return []
+        self._proposer_seconds = 0.0  # the proposer's device work for this step (draft passes), timed below
         if self.spec is not None and self.proposer.drafts_after_scheduling:
+            t = time.perf_counter()
             self.proposer.propose(work)
+            self._proposer_seconds += time.perf_counter() - t
         bucket, inputs, sampling = self._build(work)
         targets = self._prompt_targets(work, bucket.num_tokens)
         t0 = time.perf_counter()
         out, prompt_lp = self.runner.run(bucket, inputs, sampling, targets)
-        if self.spec is not None:
-            if bucket in self._timed_buckets:
-                self.spec.record_step(sum(w.num_tokens for w in work), time.perf_counter() - t0)
-            else:  # a bucket's first run is an outlier (one-time allocations), and a pessimistic first sample would
-                self._timed_buckets.add(bucket)  # never be revisited: the controller would avoid that size
+        run_seconds = time.perf_counter() - t0
         self.num_steps += 1
         if prompt_lp is not None:
             self._record_prompt_logprobs(work, prompt_lp)
-        return self._postprocess(work, out)
+        outputs = self._postprocess(work, out)  # an EAGLE-3 head drafts for the next step in here (timed)
+        if self.spec is not None:
+            # The controller weighs a step size by what it costs: the target's step plus the proposer's work for it.
+            if bucket in self._timed_buckets:
+                self.spec.record_step(sum(w.num_tokens for w in work), run_seconds + self._proposer_seconds)
+            else:  # a bucket's first run is an outlier (one-time allocations), and a pessimistic first sample would
+                self._timed_buckets.add(bucket)  # never be revisited: the controller would avoid that size
+        return outputs
 
     def _propose(self) -> None:
         """Draft tokens for every decoding sequence (the scheduler decides how many of them it can verify)."""
@@ -395,7 +402,9 @@ class LLMEngine:
                 finished.append(seq)
         if self.spec is not None and self.proposer.drafts_after_step:
             # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
+            t = time.perf_counter()
             self.proposer.after_step(work, starts, self.runner.last_hidden)
+            self._proposer_seconds += time.perf_counter() - t
         for seq in finished:
             self.scheduler.finish(seq)
         outputs = [self._request_output(req) for req in touched.values()]

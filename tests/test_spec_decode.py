@@ -426,3 +426,33 @@ def test_kv_memory_budget_counts_the_draft_models_cache(tiny, other_draft):
     assert alone.config.num_pages == budget // target_page
     assert with_draft.config.num_pages == budget // (target_page + draft_page)
     assert with_draft.config.num_pages < alone.config.num_pages
+
+
+def test_controller_counts_the_draft_models_time(tiny, monkeypatch):
+    """The controller's step cost includes the proposer's work: with a draft model made artificially slow (50 ms per
+    proposal), adaptive speculation is tried, measured, and turned off, and the output is unchanged."""
+    import time as _time
+
+    llm = LLM(tiny, **_engine_args(speculative_config={
+        "method": "draft_model", "model": tiny, "num_speculative_tokens": 3}))
+    eng = llm.llm_engine
+    propose = eng.proposer.propose
+
+    def slow_propose(work):
+        if any(w.num_draft for w in work):
+            _time.sleep(0.05)
+        return propose(work)
+
+    monkeypatch.setattr(eng.proposer, "propose", slow_propose)
+    choices = []
+    choose = eng.spec.choose_k
+    monkeypatch.setattr(eng.spec, "choose_k", lambda base, lens: choices.append(choose(base, lens)) or choices[-1])
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(4, seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert any(k > 0 for k in choices)  # tried ...
+    assert max(eng.spec.cost.values()) >= 0.05  # ... its measured cost includes the draft model's time ...
+    # ... and turned off (a step size never seen before may still be tried once)
+    assert len(choices) >= 40 and sum(k > 0 for k in choices[len(choices) // 2 :]) <= 1, choices
+    ref = LLM(tiny, **_engine_args()).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]

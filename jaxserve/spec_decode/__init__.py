@@ -7,7 +7,8 @@ appends the accepted drafts plus one more token and rolls back the rest (KV slot
 simply overwritten later; pages past the sequence's end are freed).
 
 `SpecController` chooses K for each step (and each request may cap it, 0 = no speculation): it keeps the measured
-cost of each step size (unmeasured sizes interpolated linearly in tokens) and the measured acceptance rate per draft
+cost of each step size (the target's step plus the proposer's device work for it -- draft-model passes, the EAGLE-3
+head; unmeasured sizes interpolated linearly in tokens) and the measured acceptance rate per draft
 position (optimistic until 20 drafts were seen there, so each position gets tried). Given how many drafts each
 decoding sequence can have this step (what a host proposer such as n-gram actually found -- often nothing -- or
 the request's cap for a model proposer), it picks the K that maximises expected tokens per second,
