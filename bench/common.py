@@ -16,6 +16,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from typing import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,6 +73,20 @@ def interleave(runners: dict[str, Callable[[], dict]], rounds: int, log: Callabl
             out[name].append(res)
             log(f"round {r} {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in res.items() if isinstance(v, (int, float))))
     return out
+
+
+def time_calls(calls: dict[str, tuple[Callable, tuple]], rounds: int, repeats: int = 1) -> dict[str, dict]:
+    """Interleaved timing of device calls {name: (f, args)} (A B A B ...), each sample the mean of `repeats` calls
+    ending in `block_until_ready`; -> {name: {"min_ms", "median_ms"}} per call. Warm the calls up first."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (f, args) in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                out = f(*args)
+            out.block_until_ready()
+            samples[name].append((time.perf_counter() - t0) / repeats)
+    return {name: dict(min_ms=min(ts) * 1e3, median_ms=statistics.median(ts) * 1e3) for name, ts in samples.items()}
 
 
 # ---------------------------------------------------------------- machine and versions

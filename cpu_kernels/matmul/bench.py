@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import OUT_DIR, machine_info, machine_line, md_table, write_outputs
+from bench.common import OUT_DIR, machine_info, machine_line, md_table, time_calls, write_outputs
 from cpu_kernels import matmul as native
 
 NUM_LAYERS = 30
@@ -32,17 +32,6 @@ NUM_LAYERS = 30
 SHAPES = [("q, o proj", 576, 576), ("k, v proj", 576, 192), ("gate, up proj", 576, 1536), ("down proj", 1536, 576),
           ("logits (tied embed)", 576, 49152)]
 ROWS = (1, 16, 64, 256)
-
-
-def _timer(f, args, repeats_per_sample: int):
-    def run() -> float:
-        t0 = time.perf_counter()
-        for _ in range(repeats_per_sample):
-            out = f(*args)
-        out.block_until_ready()
-        return (time.perf_counter() - t0) / repeats_per_sample
-
-    return run
 
 
 def bench_case(K: int, N: int, M: int, rounds: int) -> dict:
@@ -56,15 +45,10 @@ def bench_case(K: int, N: int, M: int, rounds: int) -> dict:
     probe = time.perf_counter()
     impls["xla"](*args["xla"]).block_until_ready()
     per_sample = max(1, int(0.05 / max(time.perf_counter() - probe, 1e-6)))
-    timers = {name: _timer(f, args[name], per_sample) for name, f in impls.items()}
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(rounds):
-        for name, run in timers.items():
-            times[name].append(run())
+    times = time_calls({name: (f, args[name]) for name, f in impls.items()}, rounds, per_sample)
     row = dict(K=K, N=N, M=M, gflop=2 * M * K * N / 1e9, xla_max_abs_err=errs["xla"], native_max_abs_err=errs["native"])
-    for name, ts in times.items():
-        row[f"{name}_ms_min"] = min(ts) * 1e3
-        row[f"{name}_ms_median"] = float(np.median(ts)) * 1e3
+    for name, t in times.items():
+        row[f"{name}_ms_min"], row[f"{name}_ms_median"] = t["min_ms"], t["median_ms"]
     return row
 
 
@@ -98,15 +82,10 @@ def bench_step(M: int, rounds: int, weights) -> dict:
              "native": jax.jit(lambda x, l, h: _chain(x, l, h, native.matmul))}
     outs = {name: np.asarray(f(*args[name])) for name, f in impls.items()}
     err = float(np.abs(outs["native"] - outs["xla"]).max())
-    timers = {name: _timer(f, args[name], 1) for name, f in impls.items()}
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(rounds):
-        for name, run in timers.items():
-            times[name].append(run())
+    times = time_calls({name: (f, args[name]) for name, f in impls.items()}, rounds)
     row = dict(M=M, max_abs_diff=err)
-    for name, ts in times.items():
-        row[f"{name}_ms_min"] = min(ts) * 1e3
-        row[f"{name}_ms_median"] = float(np.median(ts)) * 1e3
+    for name, t in times.items():
+        row[f"{name}_ms_min"], row[f"{name}_ms_median"] = t["min_ms"], t["median_ms"]
     return row
 
 

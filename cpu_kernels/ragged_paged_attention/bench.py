@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import OUT_DIR, machine_info, machine_line, md_table, write_outputs
+from bench.common import OUT_DIR, machine_info, machine_line, md_table, time_calls, write_outputs
 from cpu_kernels import ragged_paged_attention as native
 from pallas_kernels.ragged_paged_attention import reference
 
@@ -87,17 +87,6 @@ def make_inputs(shape: Shape, seed: int = 0):
     return args, 1.0 / np.sqrt(H)
 
 
-def _timer(f, args, repeats_per_sample: int):
-    def run() -> float:
-        t0 = time.perf_counter()
-        for _ in range(repeats_per_sample):
-            out = f(*args)
-        out.block_until_ready()
-        return (time.perf_counter() - t0) / repeats_per_sample
-
-    return run
-
-
 def bench_shape(shape: Shape, rounds: int) -> dict:
     args, sm_scale = make_inputs(shape)
     impls = {
@@ -109,15 +98,11 @@ def bench_shape(shape: Shape, rounds: int) -> dict:
     probe = time.perf_counter()
     impls["xla"](*args).block_until_ready()
     per_sample = max(1, int(0.05 / max(time.perf_counter() - probe, 1e-6)))
-    timers = {name: _timer(f, args, per_sample) for name, f in impls.items()}
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    for _ in range(rounds):
-        for name, run in timers.items():
-            times[name].append(run())
+    times = time_calls({name: (f, args) for name, f in impls.items()}, rounds, per_sample)
     row = dict(shape=dataclasses.asdict(shape), max_abs_err=err)
-    for name, ts in times.items():
-        row[f"{name}_ms_x{NUM_LAYERS}_min"] = min(ts) * 1e3 * NUM_LAYERS
-        row[f"{name}_ms_x{NUM_LAYERS}_median"] = float(np.median(ts)) * 1e3 * NUM_LAYERS
+    for name, t in times.items():
+        row[f"{name}_ms_x{NUM_LAYERS}_min"] = t["min_ms"] * NUM_LAYERS
+        row[f"{name}_ms_x{NUM_LAYERS}_median"] = t["median_ms"] * NUM_LAYERS
     row["speedup_min"] = row[f"xla_ms_x{NUM_LAYERS}_min"] / row[f"native_ms_x{NUM_LAYERS}_min"]
     return row
 
