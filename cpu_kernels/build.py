@@ -13,14 +13,18 @@ Failures raise `BuildError` with the compiler's output; callers decide how to fa
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+
+logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp-simd", "-fno-math-errno")
 BUILD_TIMEOUT_S = 300
@@ -121,3 +125,17 @@ def build_library(source: str) -> str:
             return target
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def load_cpu_target(build, source: str, symbol: str, target: str, unavailable: str) -> bool:
+    """Build `source` with `build` (a kernel module's `build_library`), load it and register its FFI handler `symbol`
+    as the CPU custom-call target `target`. On failure: log one warning "`unavailable`: why" and return False."""
+    import jax
+
+    try:
+        lib = ctypes.CDLL(build(source))
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (BuildError, OSError, AttributeError) as e:
+        logger.warning("%s: %s", unavailable, e)
+        return False
+    return True

@@ -10,19 +10,15 @@ cannot be built.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
-import logging
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels.build import BuildError, build_library
-
-logger = logging.getLogger(__name__)
+from cpu_kernels.build import build_library, load_cpu_target
 
 TARGET = "jaxserve_matmul"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.cc")
@@ -32,13 +28,7 @@ PANEL = 32  # columns per packed panel (kNr in kernel.cc)
 @functools.cache
 def load() -> bool:
     """Build (or find in the cache), load and register the native library; False, with one warning, on failure."""
-    try:
-        lib = ctypes.CDLL(build_library(SOURCE))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveMatmul), platform="cpu")
-    except (BuildError, OSError, AttributeError) as e:
-        logger.warning("native CPU matmul unavailable, using XLA dots: %s", e)
-        return False
-    return True
+    return load_cpu_target(build_library, SOURCE, "JaxserveMatmul", TARGET, "native CPU matmul unavailable, using XLA dots")
 
 
 @jax.tree_util.register_dataclass

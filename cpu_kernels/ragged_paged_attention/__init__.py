@@ -13,19 +13,16 @@ logs one warning and runs the XLA reference instead, so serving never depends on
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels.build import BuildError, build_library
+from cpu_kernels.build import build_library, load_cpu_target
 from pallas_kernels.ragged_paged_attention import reference
 
-logger = logging.getLogger(__name__)
 
 TARGET = "jaxserve_ragged_paged_attention"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.cc")
@@ -37,13 +34,7 @@ QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
 @functools.cache
 def load() -> bool:
     """Build (or find in the cache), load and register the native library; False, with one warning, on failure."""
-    try:
-        lib = ctypes.CDLL(build_library(SOURCE))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttention), platform="cpu")
-    except (BuildError, OSError, AttributeError) as e:
-        logger.warning("native CPU attention unavailable, using the XLA reference: %s", e)
-        return False
-    return True
+    return load_cpu_target(build_library, SOURCE, "JaxserveRaggedPagedAttention", TARGET, "native CPU attention unavailable, using the XLA reference")
 
 
 def _validate(q, k_pages, v_pages, block_tables, seq, pos, is_real, k_scales, v_scales, sliding_window, soft_cap):
