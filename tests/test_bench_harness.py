@@ -150,6 +150,31 @@ def test_spec_report_marks_unavailable_methods():
     assert "Speculative decoding: not available: no speculative_config" in md
 
 
+def test_spec_shared_engine_baseline_opts_every_request_out():
+    """--share-engine: the baseline runs on the speculative engine itself with num_speculative_tokens=0 on every
+    request (one copy of a big target in memory); the method's runs leave K to the engine; --chat stops at EOS."""
+    from types import SimpleNamespace
+
+    class FakeLLM:
+        def __init__(self):
+            self.calls = []
+            self.llm_engine = SimpleNamespace(get_stats=lambda: {"spec_decode_acceptance_rate": 0.5})
+
+        def generate(self, items, params, use_tqdm):
+            self.calls.append([(p.num_speculative_tokens, p.ignore_eos) for p in params])
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * p.max_tokens)]) for p in params]
+
+    llm = FakeLLM()
+    res = spec.measure(llm, llm, "fake", [[1, 2], [3]], [4, 5], one_at_a_time=False, rounds=2, ignore_eos=False)
+    assert res["mismatched_requests"] == 0 and res["acceptance_rate"] == 0.5
+    warm, timed = llm.calls[:2], llm.calls[2:]
+    assert warm == [[(0, True)], [(None, True)]]  # warm-up of each configuration
+    assert timed == [[(0, False)] * 2, [(None, False)] * 2] * 2  # interleaved none / spec rounds
+    other = FakeLLM()
+    spec.measure(other, llm, "fake", [[1, 2]], [3], one_at_a_time=True, rounds=1)
+    assert other.calls == [[(None, True)], [(None, True)]]  # a separate baseline engine: nothing to opt out
+
+
 def test_missing_peers_are_skipped_with_a_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(peers, "has_module", lambda name: False)
     assert "scripts/install_peers.sh hf" in peers.hf_missing()

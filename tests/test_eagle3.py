@@ -445,3 +445,34 @@ def test_head_kv_stays_valid_through_accepts_and_preemption(target, rigged_head,
     while eng.has_unfinished_requests():
         _check_drafts(eng, target[1], w, {}, steps=1, drafts=False)  # (its drafts are constant)
     assert eng.scheduler.num_preemptions > 0 and sum(eng.spec.metrics.num_accepted) > 5
+
+
+def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, prompts_and_plain, monkeypatch):
+    """The head drafts at the end of a step for the next one; it makes as many drafts as the controller would
+    choose for that step (the engine's hint), so a K = 1 or K = 0 controller pays for no draft passes beyond it,
+    and the output is unchanged. One head executable serves every K (the draft loop's trip count is data)."""
+    prompts, params, ref = prompts_and_plain
+    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head[0]) | {"adaptive": True}))
+    eng = llm.llm_engine
+    made, verified = [], []
+    after_step, postprocess = eng.proposer.after_step, eng._postprocess
+
+    def spy_after_step(work, starts, aux, k_hint=None):
+        after_step(work, starts, aux, k_hint)
+        made.extend((k_hint, len(w.seq.spec_token_ids)) for w in work)
+
+    def spy_postprocess(work, out):
+        verified.extend(w.num_draft for w in work)
+        return postprocess(work, out)
+
+    monkeypatch.setattr(eng.proposer, "after_step", spy_after_step)
+    monkeypatch.setattr(eng, "_postprocess", spy_postprocess)
+    for k_fixed in (1, 0, 2):
+        monkeypatch.setattr(eng.spec, "choose_k", lambda base, lens, k=k_fixed: min(k, max(lens, default=k)))
+        made.clear(), verified.clear()
+        assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+        assert all(n <= h <= k_fixed for h, n in made) and (k_fixed, k_fixed) in made, (k_fixed, made)
+        assert max(verified) == k_fixed  # the drafts that were made are the ones verified
+    assert eng.proposer.num_compiles <= len(eng.config.token_buckets) * len(eng.config.page_buckets)
+    eng.block_manager.check()
+    assert eng.block_manager.num_used_pages == 0

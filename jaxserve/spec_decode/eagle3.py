@@ -11,9 +11,13 @@ When. Features exist only after a target step, so drafts for step s+1 are made a
   1. catch-up: for every sequence of the step, the pairs of the positions the target computed *and kept* this
      step (prefill chunks; the verified token plus accepted drafts), laid out in the step's own token bucket so the
      feature gather needs no reshuffling; afterwards the head's KV is valid exactly where the target's is;
-  2. for every sequence that is now decoding, K - 1 single-token passes (one `lax.scan` in the same executable).
-The drafts wait in `seq.spec_token_ids`; the next step's `_propose` cuts them to the K it chose and the scheduler
-verifies as many as fit its budget. One executable per target bucket, one fetch (the drafts) per step.
+  2. for every sequence that is now decoding, K - 1 single-token passes (a `lax.while_loop` in the same
+     executable whose trip count is the largest K asked for, so one executable serves every K).
+K per sequence is the request's cap, further cut to `k_hint`: the K the engine's controller would choose for the
+next step (it is asked here, before that step exists), so the head does not pay for drafts that will not be
+verified -- with K = 0 only the catch-up runs. The drafts wait in `seq.spec_token_ids`; the next step's `_propose`
+cuts them to the K it chooses and the scheduler verifies as many as fit its budget. One executable per target
+bucket, one fetch (the drafts) per step.
 
 Pages. The head's cache uses the target's page ids (page p of both caches holds the same positions), so
 allocation, sharing and preemption need nothing new. Draft passes write slots n-1 .. n+K-3; instead of reserving
@@ -63,7 +67,8 @@ def draft_fn(
     *,
     layout: Layout,
 ) -> tuple[jax.Array, KVCache]:
-    """Catch-up pass + k-1 draft passes -> (drafts i32[S, k] in target ids, kv)."""
+    """Catch-up pass + max(num_draft) - 1 draft passes -> (drafts i32[S, k] in target ids, kv); columns past a
+    sequence's num_draft are unspecified."""
     a = layout.unpack(packed)
     inputs = StepInputs(**{f: a[f] for f in _STEP_FIELDS})
     S = a["num_draft"].shape[0]
@@ -75,8 +80,11 @@ def draft_fn(
     P = bt.shape[1]
     seq_idx = jnp.arange(S, dtype=jnp.int32)
 
-    def step(carry, j):
-        tok, h, kv = carry
+    def more(carry):
+        return carry[0] < jnp.max(a["num_draft"])  # the step's trip count is data: no pass nobody asked for
+
+    def step(carry):
+        j, tok, h, kv, drafts = carry
         active = j < a["num_draft"]  # this sequence still wants draft j + 1
         p = jnp.where(active, a["draft_pos"] + j - 1, 0)  # inactive rows: position 0, writing the sink slot
         page = bt[seq_idx, jnp.minimum(p // page_size, P - 1)]
@@ -92,10 +100,10 @@ def draft_fn(
         )
         h, normed, kv = eagle3_forward(cfg, weights, embed, kv, one, h, from_target=False)
         tok = greedy_target_ids(weights, draft_logits(weights, normed))
-        return (tok, h, kv), tok
+        return j + 1, tok, h, kv, drafts.at[:, j].set(tok)
 
-    (_, _, kv), rest = jax.lax.scan(step, (tok, h, kv), jnp.arange(1, k, dtype=jnp.int32))
-    drafts = jnp.concatenate([tok[None], rest], axis=0).T  # [S, k]
+    drafts = jnp.zeros((S, k), jnp.int32).at[:, 0].set(tok)
+    _, _, _, kv, drafts = jax.lax.while_loop(more, step, (jnp.asarray(1, jnp.int32), tok, h, kv, drafts))
     return drafts, kv
 
 
@@ -166,11 +174,12 @@ class Eagle3Proposer:
     def verified(self, seq, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
         """Nothing to roll back: the next catch-up overwrites the slots of rejected drafts."""
 
-    def after_step(self, work, starts: list[int], aux: jax.Array) -> None:
+    def after_step(self, work, starts: list[int], aux: jax.Array, k_hint: int | None = None) -> None:
         """Catch the head up on what the target kept this step and draft for every decoding sequence.
 
         `work`: the step's ScheduledWork (in token order); `starts[i]`: work[i]'s num_computed_tokens before the
-        step; `aux`: the step's features f[T, 3D] on device (`ModelRunner.last_hidden`)."""
+        step; `aux`: the step's features f[T, 3D] on device (`ModelRunner.last_hidden`); `k_hint`: draft at most
+        this many per sequence (None: the configured K)."""
         cfg, ps = self.engine_cfg, self.engine_cfg.page_size
         seqs, feature_rows, draft_pos, num_draft, owners = [], [], [], [], []
         t = 0
@@ -188,6 +197,7 @@ class Eagle3Proposer:
             if not seq.is_finished and seq.num_uncomputed_tokens == 1:
                 p = seq.params
                 k = self.k if p.num_speculative_tokens is None else min(self.k, p.num_speculative_tokens)
+                k = k if k_hint is None else min(k, k_hint)
                 k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, cfg.max_model_len - n - 1)
                 k = min(k, len(seq.page_ids) * ps - n + 2)  # every draft KV write lands in a held page
             draft_pos.append(n - 1)
