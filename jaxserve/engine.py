@@ -196,7 +196,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> dict[str, float | list[int]]:
         """A read-only snapshot for monitoring (/metrics); cheap, and safe to call from another thread."""
         bm = self.block_manager
         return {
@@ -211,6 +211,8 @@ class LLMEngine:
             "spec_decode_mean_acceptance_length": self.spec.metrics.mean_acceptance_length,
             "spec_decode_num_draft_tokens": sum(self.spec.metrics.num_drafts),
             "spec_decode_num_accepted_tokens": sum(self.spec.metrics.num_accepted),
+            "spec_decode_num_draft_tokens_per_pos": list(self.spec.metrics.num_drafts),
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec.metrics.num_accepted),
         })
 
     # ---- the step -------------------------------------------------------------------------------------------

@@ -72,10 +72,27 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"jaxserve_{name}", doc, value=value)
         c = CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recompute).", value=s["num_preemptions"])
         yield c
-        if "spec_decode_acceptance_rate" in s:  # present once the engine runs speculative decoding
+        if "spec_decode_acceptance_rate" in s:  # present when the engine runs speculative decoding
             yield GaugeMetricFamily(
                 "jaxserve_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", value=s["spec_decode_acceptance_rate"]
             )
+            yield GaugeMetricFamily(
+                "jaxserve_spec_decode_mean_acceptance_length",
+                "Tokens emitted per verifying sequence-step (accepted drafts + 1).",
+                value=s["spec_decode_mean_acceptance_length"],
+            )
+            for what in ("draft", "accepted"):
+                doc = "Draft tokens verified" if what == "draft" else "Draft tokens accepted"
+                yield CounterMetricFamily(
+                    f"jaxserve_spec_decode_num_{what}_tokens", f"{doc}.", value=s[f"spec_decode_num_{what}_tokens"]
+                )
+                per_pos = CounterMetricFamily(
+                    f"jaxserve_spec_decode_num_{what}_tokens_per_pos", f"{doc}, by draft position (0-based).",
+                    labels=["position"],
+                )
+                for i, n in enumerate(s[f"spec_decode_num_{what}_tokens_per_pos"]):
+                    per_pos.add_metric([str(i)], n)
+                yield per_pos
 
 
 class _Latest:

@@ -237,3 +237,14 @@ def test_training_learns_and_exports_losslessly(target, dataset, plain_llm, tmp_
     ref = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, sp, use_tqdm=False)]
     assert got == ref
     assert sum(spec.llm_engine.spec.metrics.num_accepted) > 0  # the trained head's drafts do get accepted
+
+
+def test_exported_head_names_its_verifier(tmp_path):
+    """An exported head names its target as the hub id for the embedded default model (not a site-packages path),
+    else as the path it was trained against."""
+    from jaxserve.loader.gguf import default_model_path
+    from training.eagle3.train import DEFAULT_VERIFIER, verifier_name
+
+    assert verifier_name(default_model_path()) == DEFAULT_VERIFIER
+    assert verifier_name(str(tmp_path)) == str(tmp_path)
+    assert verifier_name("no/such/model") == "no/such/model"

@@ -456,3 +456,38 @@ def test_controller_counts_the_draft_models_time(tiny, monkeypatch):
     assert len(choices) >= 40 and sum(k > 0 for k in choices[len(choices) // 2 :]) <= 1, choices
     ref = LLM(tiny, **_engine_args()).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_acceptance_metrics_per_position_reach_prometheus(tiny):
+    """Acceptance per draft position and the mean acceptance length are aggregated in the engine and exported on
+    /metrics (the collector the servers register), consistent with the per-request counts."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from service.async_engine import _EngineCollector
+
+    llm = LLM(tiny, **_engine_args(speculative_config=SPEC | {"adaptive": False}))
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(3, seed=5)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    eng = llm.llm_engine
+    stats = eng.get_stats()
+    drafts, accepted = stats["spec_decode_num_draft_tokens_per_pos"], stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(drafts) == SPEC["num_speculative_tokens"] and sum(accepted) > 0
+    assert all(a <= d for a, d in zip(accepted, drafts)) and drafts == sorted(drafts, reverse=True)
+    assert sum(drafts) == sum(o.metrics.spec_num_draft_tokens for o in outs)
+    assert sum(accepted) == sum(o.metrics.spec_num_accepted_tokens for o in outs)
+
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(SimpleNamespace(stats=lambda: stats | {"num_requests_in_flight": 0}, ready=True)))
+    samples = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    for i, (d, a) in enumerate(zip(drafts, accepted)):
+        assert samples[f'jaxserve_spec_decode_num_draft_tokens_per_pos_total{{position="{i}"}}'] == d
+        assert samples[f'jaxserve_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] == a
+    assert samples["jaxserve_spec_decode_num_accepted_tokens_total"] == sum(accepted)
+    assert samples["jaxserve_spec_decode_mean_acceptance_length"] == pytest.approx(stats["spec_decode_mean_acceptance_length"])
+    assert samples["jaxserve_spec_decode_mean_acceptance_length"] > 1

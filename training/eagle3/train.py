@@ -53,6 +53,22 @@ class TrainConfig:
     seed: int = 0
 
 
+DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded default model is, upstream
+
+
+def verifier_name(model: str) -> str:
+    """The target named in an exported head: the hub id for jaxserve's embedded default model (a file path inside
+    site-packages would mean nothing elsewhere), else the path the target was given as."""
+    from jaxserve.loader.gguf import default_model_path
+
+    try:
+        if os.path.samefile(model, default_model_path()):
+            return DEFAULT_VERIFIER
+    except (FileNotFoundError, OSError):
+        pass
+    return model
+
+
 def head_config(target: ModelConfig, aux_layer_ids, draft_vocab_size: int) -> Eagle3Config:
     layer = dataclasses.replace(target, architecture="llama", num_layers=1, tie_word_embeddings=False,
                                 attention_bias=False, qk_norm=False, bos_token_id=None, eos_token_ids=())
@@ -165,7 +181,8 @@ class Trainer:
         return acceptance(jax.device_get(total))
 
     def export(self, path: str) -> None:
-        export_speculators(path, self.cfg, jax.device_get(self.params), self.d2t, self.t2d, verifier=self.model,
+        export_speculators(path, self.cfg, jax.device_get(self.params), self.d2t, self.t2d,
+                           verifier=verifier_name(self.model),
                            num_speculative_tokens=self.tc.num_speculative_tokens)
 
     def train(self, out_dir: str | None = None) -> list[dict]:
