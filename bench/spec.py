@@ -39,6 +39,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-requests", type=int, default=8, help="batch-1 requests (run one at a time)")
     ap.add_argument("--load-requests", type=int, default=32, help="requests submitted together for 'under load'")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-len", type=int, default=1024, help="ShareGPT prompts up to this many tokens")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=2)
@@ -68,7 +69,9 @@ def engine_supports_speculation() -> str | None:
 def _requests(tokenizer, args, num: int, offset: int):
     from bench.sharegpt import sample_requests
 
-    reqs = sample_requests(tokenizer, offset + num, seed=args.seed, max_total_len=args.max_model_len)[offset:]
+    room = 64 if args.chat else 0  # the chat template's own tokens (a system prompt, role markers)
+    reqs = sample_requests(tokenizer, offset + num, seed=args.seed, max_prompt_len=args.max_prompt_len,
+                           max_total_len=args.max_model_len - room)[offset:]
     if args.chat:  # the first turn as a chat request, as an instruct model is served
         prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}],
                                                                   add_generation_prompt=True), add_special_tokens=False)
