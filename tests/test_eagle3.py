@@ -476,3 +476,20 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
     assert eng.proposer.num_compiles <= len(eng.config.token_buckets) * len(eng.config.page_buckets)
     eng.block_manager.check()
     assert eng.block_manager.num_used_pages == 0
+
+
+def test_head_kv_cache_is_never_copied(target, rigged_head):
+    """The head's donated KV cache is updated in place through the catch-up and the draft loop: no compiled head
+    executable copies it (a copy per step would stream the whole cache through memory)."""
+    import re
+
+    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head[0])))
+    prop = llm.llm_engine.proposer
+    prop.warmup()
+    L, P, ps, K, H = prop.runner.state.k.shape
+    shapes = {f"f32[{L},{P},{ps},{K},{H}]", f"f32[{L * P},{ps},{K},{H}]"}
+    assert prop.runner._executables
+    for exe in prop.runner._executables.values():
+        hlo = exe.as_text()
+        copies = [m for m in re.findall(r"= (f32\[[\d,]+\])\S* copy\(", hlo) if m in shapes]
+        assert not copies, f"the head's KV cache is copied {len(copies)} times"
