@@ -278,16 +278,19 @@ class LLMEngine:
         """The most drafts `seq` may verify next step: the engine's K, the request's cap, and never past the
         request's end (at most k drafts + 1 token may still be emitted)."""
         p = seq.params
+        if seq.spec_disabled:
+            return 0
         k = self.spec.k_max if p.num_speculative_tokens is None else min(self.spec.k_max, p.num_speculative_tokens)
         return max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.config.max_model_len - seq.num_tokens - 1))
 
     def _k_hint(self) -> int:
         """The K the controller would choose for a next step made of the running sequences as they are now, each
-        decoding one with its full cap of drafts: how many a proposer that drafts ahead (EAGLE-3) should make."""
+        decoding one that may speculate with its full cap of drafts: how many drafts a proposer that drafts ahead
+        (EAGLE-3) should make; 0 = the next step would not speculate."""
         budget = self.config.max_num_batched_tokens
         running = [s for s in self.scheduler.running if not s.is_finished]
         base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
-        caps = [self._draft_cap(s) for s in running if s.num_uncomputed_tokens == 1]
+        caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self._draft_cap(s)) > 0]
         return self.spec.choose_k(min(base, budget), caps)
 
     def _prompt_targets(self, work: list[ScheduledWork], num_tokens: int) -> np.ndarray | None:

@@ -143,6 +143,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.draft_num_computed = 0  # a draft model's KV lives in the same pages
+        seq.spec_disabled = False  # ... and an EAGLE-3 head's, rebuilt along the recomputed prefill
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

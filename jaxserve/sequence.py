@@ -41,6 +41,7 @@ class Sequence:
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
     draft_num_computed: int = 0  # tokens whose draft-model KV is valid (draft_model speculation)
+    spec_disabled: bool = False  # the proposer can no longer draft for it (an EAGLE-3 head skipped its catch-up)
     spec_num_verified: int = 0  # draft tokens verified so far (speculative decoding metrics)
     spec_num_accepted: int = 0  # of which accepted
 

@@ -386,6 +386,9 @@ def _check_drafts(eng, model, w, flags, steps, drafts=True):
             if drafts and seq.spec_token_ids:
                 assert seq.spec_token_ids == _reference_drafts(model, w, seq.token_ids, len(seq.spec_token_ids), flags)
                 checked += 1
+            if seq.spec_disabled:  # opted out: the head never catches up on it (checked in the test below)
+                assert seq.params.num_speculative_tokens == 0
+                continue
             n = seq.num_computed_tokens
             ref_k = _reference_drafts(model, w, seq.token_ids[: n + 1], 0, flags)  # pairs at positions 0 .. n-1
             pos = np.arange(n)
@@ -465,14 +468,18 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
         verified.extend(w.num_draft for w in work)
         return postprocess(work, out)
 
+    head_runs, run = [], eng.proposer.runner.run
+    monkeypatch.setattr(eng.proposer.runner, "run", lambda *a: head_runs.append(1) or run(*a))
     monkeypatch.setattr(eng.proposer, "after_step", spy_after_step)
     monkeypatch.setattr(eng, "_postprocess", spy_postprocess)
-    for k_fixed in (1, 0, 2):
+    for k_fixed in (1, 0, 2):  # K = 2 after K = 0: requests that arrive after the head was off speculate again
         monkeypatch.setattr(eng.spec, "choose_k", lambda base, lens, k=k_fixed: min(k, max(lens, default=k)))
-        made.clear(), verified.clear()
+        made.clear(), verified.clear(), head_runs.clear()
         assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
         assert all(n <= h <= k_fixed for h, n in made) and (k_fixed, k_fixed) in made, (k_fixed, made)
         assert max(verified) == k_fixed  # the drafts that were made are the ones verified
+        # K = 0: the head does not run at all (not even its catch-up); otherwise once per step with a kept token
+        assert (len(head_runs) == 0) == (k_fixed == 0), (k_fixed, len(head_runs))
     assert eng.proposer.num_compiles <= len(eng.config.token_buckets) * len(eng.config.page_buckets)
     eng.block_manager.check()
     assert eng.block_manager.num_used_pages == 0

@@ -15,9 +15,16 @@ When. Features exist only after a target step, so drafts for step s+1 are made a
      executable whose trip count is the largest K asked for, so one executable serves every K).
 K per sequence is the request's cap, further cut to `k_hint`: the K the engine's controller would choose for the
 next step (it is asked here, before that step exists), so the head does not pay for drafts that will not be
-verified -- with K = 0 only the catch-up runs. The drafts wait in `seq.spec_token_ids`; the next step's `_propose`
-cuts them to the K it chooses and the scheduler verifies as many as fit its budget. One executable per target
-bucket, one fetch (the drafts) per step.
+verified. The drafts wait in `seq.spec_token_ids`; the next step's `_propose` cuts them to the K it chooses and
+the scheduler verifies as many as fit its budget. One executable per target bucket, one fetch (the drafts) per step.
+
+Off. When the controller would not speculate next step (`k_hint` = 0: a loaded server, where a verify step costs
+more than its accepted drafts earn), the head does not run at all -- its catch-up alone measured ~6% of a 32-row
+SmolLM2 step on the CPU, enough to make "speculation on but idle" slower than no speculation. The sequences it
+skipped have a hole in their head KV from then on, so they are marked `spec_disabled` and never draft again
+(preemption clears the mark: the recomputed prefill rebuilds the head KV); sequences that arrive later start with
+the head on. Requests that opted out (`num_speculative_tokens=0`) are never caught up. A prefix-cache hit on pages
+written while the head was off reuses stale head KV: drafts get worse there, output stays exact.
 
 Pages. The head's cache uses the target's page ids (page p of both caches holds the same positions), so
 allocation, sharing and preemption need nothing new. Draft passes write slots n-1 .. n+K-3; instead of reserving
@@ -187,7 +194,10 @@ class Eagle3Proposer:
             seq, row0 = w.seq, t
             t += w.num_tokens
             n_valid = seq.num_computed_tokens - start
-            if n_valid <= 0 or not seq.page_ids:
+            if n_valid <= 0 or not seq.page_ids or seq.spec_disabled:
+                continue
+            if k_hint == 0 or seq.params.num_speculative_tokens == 0:
+                seq.spec_disabled = True  # no catch-up: its head KV has a hole from here on (see the module doc)
                 continue
             n = seq.num_tokens
             # pair (f_p, t_{p+1}) for the positions p the target computed and kept this step
