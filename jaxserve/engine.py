@@ -291,7 +291,7 @@ class LLMEngine:
         running = [s for s in self.scheduler.running if not s.is_finished]
         base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
         caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self._draft_cap(s)) > 0]
-        return self.spec.choose_k(min(base, budget), caps)
+        return self.spec.choose_k(min(base, budget), caps, optimistic=True)
 
     def _prompt_targets(self, work: list[ScheduledWork], num_tokens: int) -> np.ndarray | None:
         """Next-token targets for prompt chunks of requests that asked for prompt_logprobs (None if none did)."""

@@ -473,7 +473,7 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
     monkeypatch.setattr(eng.proposer, "after_step", spy_after_step)
     monkeypatch.setattr(eng, "_postprocess", spy_postprocess)
     for k_fixed in (1, 0, 2):  # K = 2 after K = 0: requests that arrive after the head was off speculate again
-        monkeypatch.setattr(eng.spec, "choose_k", lambda base, lens, k=k_fixed: min(k, max(lens, default=k)))
+        monkeypatch.setattr(eng.spec, "choose_k", lambda base, lens, optimistic=False, k=k_fixed: min(k, max(lens, default=k)))
         made.clear(), verified.clear(), head_runs.clear()
         assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
         assert all(n <= h <= k_fixed for h, n in made) and (k_fixed, k_fixed) in made, (k_fixed, made)

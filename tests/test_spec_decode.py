@@ -199,6 +199,18 @@ def test_controller_backs_off_when_speculation_does_not_pay():
     assert c3.choose_k(16, [3] * 16) == 0
 
 
+def test_controller_explores_unmeasured_sizes_low_or_high():
+    """With a step size unmeasured the controller tries the smallest such K (to measure it); asked optimistically
+    (the hint for a proposer that turns itself off at K = 0) it names the largest, so exploring never turns it off."""
+    c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3), token_buckets=(1, 2, 4, 8, 16))
+    assert c.choose_k(2, [3, 2]) == 0
+    assert c.choose_k(2, [3, 2], optimistic=True) == 3
+    assert c.choose_k(2, [1, 1], optimistic=True) == 1
+    for b in (1, 2, 4, 8, 16):
+        c.record_step(b, 0.01 * b)  # every size measured: optimism no longer matters
+    assert c.choose_k(2, [3, 2]) == c.choose_k(2, [3, 2], optimistic=True)
+
+
 def test_controller_counts_only_the_drafts_that_exist():
     """An n-gram proposer finds drafts for only some sequences: the gain and the cost count the drafts that exist,
     and speculating must clear MIN_GAIN over no speculation."""

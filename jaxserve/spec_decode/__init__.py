@@ -145,9 +145,11 @@ class SpecController:
         (b0, c0), (b1, c1) = sorted(sorted(self.cost.items(), key=lambda kv: abs(kv[0] - b))[:2])
         return max(c0 + (c1 - c0) * (b - b0) / (b1 - b0), min(c0, c1))
 
-    def choose_k(self, base_tokens: int, draft_lens: list[int]) -> int:
+    def choose_k(self, base_tokens: int, draft_lens: list[int], optimistic: bool = False) -> int:
         """K for this step, given `base_tokens` scheduled without drafts and, per decoding sequence that may
-        speculate, the most drafts it can have (`draft_lens`)."""
+        speculate, the most drafts it can have (`draft_lens`). While a candidate step size is unmeasured the
+        smallest such K is tried (to measure it); `optimistic`: the largest candidate instead -- for a proposer
+        that drafts ahead and turns itself off at 0, so that exploring K = 0 does not switch it off."""
         if not self.adaptive or not draft_lens:
             return self.k_max
         rates = self.metrics.acceptance_rates()
@@ -160,8 +162,8 @@ class SpecController:
         best_k, best = 0, None
         for k in range(min(self.k_max, max(draft_lens)) + 1):
             cost = self._cost(base_tokens + sum(min(k, L) for L in draft_lens))
-            if cost is None:
-                return k  # nothing to estimate from yet: try it
+            if cost is None:  # nothing to estimate from yet: try it
+                return min(self.k_max, max(draft_lens)) if optimistic else k
             value = (len(draft_lens) + sum(gain[min(k, L)] for L in draft_lens)) / cost
             if best is None:
                 best = value * MIN_GAIN  # the bar any K > 0 must clear
