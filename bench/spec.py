@@ -51,8 +51,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "text, EOS ignored)")
     ap.add_argument("--share-engine", action="store_true",
                     help="baseline = each method's own engine with every request opting out of speculation "
-                         "(num_speculative_tokens=0): one copy of the target in memory, for targets too big for two; "
-                         "not for eagle3, whose head still catches up on opted-out requests")
+                         "(num_speculative_tokens=0): one copy of the target in memory, for targets too big for two")
     ap.add_argument("--out", default=OUT_DIR)
     ap.add_argument("--name", default="spec")
 

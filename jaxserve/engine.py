@@ -421,7 +421,7 @@ class LLMEngine:
         if self.spec is not None and self.proposer.drafts_after_step:
             # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
             t = time.perf_counter()
-            self.proposer.after_step(work, starts, self.runner.last_hidden, self._k_hint())
+            self.proposer.after_step(work, starts, self.runner.last_hidden, self._draft_cap, self._k_hint())
             self._proposer_seconds += time.perf_counter() - t
         for seq in finished:
             self.scheduler.finish(seq)

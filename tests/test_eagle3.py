@@ -460,8 +460,8 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
     made, verified = [], []
     after_step, postprocess = eng.proposer.after_step, eng._postprocess
 
-    def spy_after_step(work, starts, aux, k_hint=None):
-        after_step(work, starts, aux, k_hint)
+    def spy_after_step(work, starts, aux, draft_cap, k_hint=None):
+        after_step(work, starts, aux, draft_cap, k_hint)
         made.extend((k_hint, len(w.seq.spec_token_ids)) for w in work)
 
     def spy_postprocess(work, out):

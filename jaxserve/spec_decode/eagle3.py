@@ -181,13 +181,14 @@ class Eagle3Proposer:
     def verified(self, seq, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
         """Nothing to roll back: the next catch-up overwrites the slots of rejected drafts."""
 
-    def after_step(self, work, starts: list[int], aux: jax.Array, k_hint: int | None = None) -> None:
+    def after_step(self, work, starts: list[int], aux: jax.Array, draft_cap, k_hint: int | None = None) -> None:
         """Catch the head up on what the target kept this step and draft for every decoding sequence.
 
         `work`: the step's ScheduledWork (in token order); `starts[i]`: work[i]'s num_computed_tokens before the
-        step; `aux`: the step's features f[T, 3D] on device (`ModelRunner.last_hidden`); `k_hint`: draft at most
-        this many per sequence (None: the configured K)."""
-        cfg, ps = self.engine_cfg, self.engine_cfg.page_size
+        step; `aux`: the step's features f[T, 3D] on device (`ModelRunner.last_hidden`); `draft_cap(seq)`: the most
+        drafts the engine lets `seq` verify (K, the request's cap, its end); `k_hint`: draft at most this many per
+        sequence (None: no further limit)."""
+        ps = self.engine_cfg.page_size
         seqs, feature_rows, draft_pos, num_draft, owners = [], [], [], [], []
         t = 0
         for w, start in zip(work, starts):
@@ -205,10 +206,7 @@ class Eagle3Proposer:
             feature_rows.extend(range(row0, row0 + n_valid))
             k = 0
             if not seq.is_finished and seq.num_uncomputed_tokens == 1:
-                p = seq.params
-                k = self.k if p.num_speculative_tokens is None else min(self.k, p.num_speculative_tokens)
-                k = k if k_hint is None else min(k, k_hint)
-                k = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, cfg.max_model_len - n - 1)
+                k = draft_cap(seq) if k_hint is None else min(draft_cap(seq), k_hint)
                 k = min(k, len(seq.page_ids) * ps - n + 2)  # every draft KV write lands in a held page
             draft_pos.append(n - 1)
             num_draft.append(max(k, 0))
