@@ -99,14 +99,16 @@ def _timed_generate(llm, prompts, lens, one_at_a_time: bool, opt_out: bool = Fal
 
 
 def measure(base, spec, label: str, prompts, lens, one_at_a_time: bool, rounds: int, ignore_eos: bool = True) -> dict:
-    """Interleaved none/method rounds on the same requests; speedup = median tok/s ratio; lossless check."""
+    """Interleaved none/method rounds on the same requests, the order alternating (none spec, spec none, ...);
+    speedup = the median over rounds of the round's tok/s ratio (its two runs ran back to back); lossless check."""
     shared = base is spec  # --share-engine: the baseline is the same engine with speculation opted out
     _timed_generate(base, prompts[:1], [4], True, opt_out=shared)
     _timed_generate(spec, prompts[:1], [4], True)
     rates = {"none": [], "spec": []}
     ref = got = None
-    for _ in range(rounds):
-        for key, llm in (("none", base), ("spec", spec)):
+    for r in range(rounds):
+        pair = (("none", base), ("spec", spec))
+        for key, llm in pair[::-1] if r % 2 else pair:  # A B B A ...: drift on a shared machine hits both alike
             wall, n, toks = _timed_generate(llm, prompts, lens, one_at_a_time, opt_out=shared and key == "none",
                                             ignore_eos=ignore_eos)
             rates[key].append(n / wall)
@@ -116,8 +118,10 @@ def measure(base, spec, label: str, prompts, lens, one_at_a_time: bool, rounds: 
                 got = toks
     mismatched = sum(a != b for a, b in zip(ref, got))
     none, sp = statistics.median(rates["none"]), statistics.median(rates["spec"])
+    paired = [b / a for a, b in zip(rates["none"], rates["spec"])]  # each round's two runs ran back to back
     stats = {k: v for k, v in spec.llm_engine.get_stats().items() if k.startswith("spec_decode")}
-    res = dict(none_tok_s=none, spec_tok_s=sp, speedup=sp / none, rounds=rates, mismatched_requests=mismatched,
+    res = dict(none_tok_s=none, spec_tok_s=sp, speedup=statistics.median(paired), round_speedups=paired,
+               rounds=rates, mismatched_requests=mismatched,
                requests=len(prompts), acceptance_rate=stats.get("spec_decode_acceptance_rate"),
                spec_stats_cumulative=stats)
     print(f"[spec] {label}: {res['speedup']:.2f}x ({sp:.1f} vs {none:.1f} tok/s), "
@@ -139,16 +143,18 @@ def report(record: dict) -> str:
         for where in ("batch1", "load"):
             r = m[where]
             acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"  # cumulative
+            per_round = "/".join(f"{x:.2f}" for x in r.get("round_speedups", []))
             rows.append([name, "batch 1" if where == "batch1" else f"{r['requests']} requests at once",
-                         f"{r['speedup']:.2f}x", f"{r['spec_tok_s']:.1f} / {r['none_tok_s']:.1f}", acc,
+                         f"{r['speedup']:.2f}x" + (f" ({per_round})" if per_round else ""), f"{r['spec_tok_s']:.1f} / {r['none_tok_s']:.1f}", acc,
                          "lossless" if r["mismatched_requests"] == 0 else f"{r['mismatched_requests']} outputs differ"])
     if rows:
         shape = "chat-templated, stopping at EOS" if a.get("chat") else "EOS ignored"
-        md += [f"Greedy, {shape}, ShareGPT first turns, up to {a['max_tokens']} tokens each; median of "
-               f"{a['rounds']} interleaved rounds. Baseline: "
+        md += [f"Greedy, {shape}, ShareGPT first turns, up to {a['max_tokens']} tokens each; speedup = median of "
+               f"{a['rounds']} rounds' ratios (per round in brackets; each round runs both back to back, the order "
+               "alternating); tok/s = medians. Baseline: "
                + ("the same engine with every request opting out (`num_speculative_tokens=0`)." if a.get("share_engine")
                   else "a separate engine without speculation."), "",
-               md_table(["method", "workload", "speedup", "tok/s spec / none", "acceptance (cumulative)",
+               md_table(["method", "workload", "speedup (per round)", "tok/s spec / none", "acceptance (cumulative)",
                          "outputs vs none"], rows), ""]
     md += ["Reproduce:", "", f"    {record['command']}", "", machine_line(record["machine"]), ""]
     return "\n".join(md)

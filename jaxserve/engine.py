@@ -409,7 +409,7 @@ class LLMEngine:
             # KV is valid for the old tokens and the accepted drafts that were kept; the last emitted token is new.
             seq.num_computed_tokens += w.num_tokens - w.num_draft + min(accepted, emitted - 1)
             if w.num_draft:
-                self.spec.metrics.record(w.num_draft, accepted)
+                self.spec.record(w.num_draft, accepted)
                 seq.spec_num_verified += w.num_draft
                 seq.spec_num_accepted += accepted
                 self.proposer.verified(seq, num_tokens_before, w.num_draft, accepted)

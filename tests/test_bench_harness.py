@@ -169,7 +169,9 @@ def test_spec_shared_engine_baseline_opts_every_request_out():
     assert res["mismatched_requests"] == 0 and res["acceptance_rate"] == 0.5
     warm, timed = llm.calls[:2], llm.calls[2:]
     assert warm == [[(0, True)], [(None, True)]]  # warm-up of each configuration
-    assert timed == [[(0, False)] * 2, [(None, False)] * 2] * 2  # interleaved none / spec rounds
+    assert timed == [[(0, False)] * 2, [(None, False)] * 2, [(None, False)] * 2, [(0, False)] * 2]  # none spec, spec none
+    assert res["round_speedups"] == [b / a for a, b in zip(res["rounds"]["none"], res["rounds"]["spec"])]
+    assert res["speedup"] == pytest.approx(sum(res["round_speedups"]) / 2)  # the median of two
     other = FakeLLM()
     spec.measure(other, llm, "fake", [[1, 2]], [3], one_at_a_time=True, rounds=1)
     assert other.calls == [[(None, True)], [(None, True)]]  # a separate baseline engine: nothing to opt out

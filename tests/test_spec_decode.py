@@ -178,7 +178,8 @@ def test_controller_backs_off_when_speculation_does_not_pay():
         k = c.choose_k(16, [3] * 16)
         seen.append(k)
         c.record_step(16 + 16 * k, 0.01 * (1 + k))  # cost grows linearly with tokens ...
-        c.metrics.record(k, 0) if k else None  # ... and nothing is ever accepted
+        for _ in range(16 if k else 0):
+            c.record(k, 0)  # ... and nothing is ever accepted (one record per verifying sequence)
     assert any(k > 0 for k in seen[:10])  # speculation is tried ...
     assert seen[-50:] == [0] * 50  # ... and dropped once measured not to pay
     assert sum(k > 0 for k in seen) <= 30  # after little exploration (20 drafts per position are enough)
@@ -187,7 +188,7 @@ def test_controller_backs_off_when_speculation_does_not_pay():
     for _ in range(200):
         k = c2.choose_k(2, [3] * 2)
         c2.record_step(2 + 2 * k, 0.01)  # verify is free (memory-bound decode) ...
-        c2.metrics.record(k, k) if k else None  # ... and everything is accepted
+        c2.record(k, k) if k else None  # ... and everything is accepted
     assert c2.choose_k(2, [3] * 2) == 3
 
     c3 = SpecController(cfg, token_buckets=(1, 2, 4, 8, 16, 32, 64))
@@ -195,8 +196,36 @@ def test_controller_backs_off_when_speculation_does_not_pay():
     c3.record_step(64, 0.4)  # cost linear in tokens: unmeasured buckets are interpolated, not tried
     assert c3._cost(32) == pytest.approx(0.2)
     for _ in range(40):
-        c3.metrics.record(3, 0)  # nothing is accepted at any position
+        c3.record(3, 0)  # nothing is accepted at any position
     assert c3.choose_k(16, [3] * 16) == 0
+
+
+def test_controller_recovers_from_a_bad_start(monkeypatch):
+    """Acceptance measured ~0 at first (K = 0 chosen, so nothing more is measured) and then the workload turns
+    predictable: the controller's forgetting estimate plus its bounded exploration find K > 0 again; with
+    exploration switched off it stays locked out. Its optimistic hint predicts the next decision, exploring included."""
+    import jaxserve.spec_decode as sd
+
+    def run(explore_every):
+        monkeypatch.setattr(sd, "EXPLORE_EVERY", explore_every)
+        c = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=2), token_buckets=(1, 2, 4))
+        seen = []
+        for step in range(400):
+            hint = c.choose_k(1, [2], optimistic=True)
+            k = c.choose_k(1, [2])
+            assert hint == k or len(c.cost) < 3  # (while a size is unmeasured the hint is optimistic by design)
+            seen.append(k)
+            c.record_step(1 + k, 0.010 + 0.001 * k)  # batch 1: verifying two drafts costs 20% more
+            if k:
+                c.record(k, 0 if step < 100 else k)  # nothing accepted for 100 steps, then everything
+        return seen
+
+    seen = run(16)
+    assert seen[80:100] == [0] * 20 or sum(seen[80:100]) <= 2  # off while nothing is accepted (explored at most)
+    assert all(k == 2 for k in seen[-100:])  # back on once the workload changed
+    assert sum(k > 0 for k in seen[100:]) > 200  # (a few explorations, 16 steps apart, re-measure position 0)
+    locked = run(10**9)
+    assert all(k == 0 for k in locked[-300:])  # without exploration: never measured again, never back
 
 
 def test_controller_explores_unmeasured_sizes_low_or_high():
@@ -221,7 +250,7 @@ def test_controller_counts_only_the_drafts_that_exist():
     c.record_step(16, 0.10)
     c.record_step(32, 0.16)  # 16 decodes + 16 drafts cost 1.6x
     for _ in range(40):
-        c.metrics.record(1, 1)  # every draft is accepted: 2 tokens per decode for 1.6x the cost
+        c.record(1, 1)  # every draft is accepted: 2 tokens per decode for 1.6x the cost
     assert c.choose_k(16, [1] * 16) == 1
     # only 4 of 16 sequences have a draft: 20 tokens for 20 tokens' worth, padded to the 32 bucket (1.25 / 1.6 < 1)
     assert c.choose_k(16, [1] * 4 + [0] * 12) == 0
@@ -230,7 +259,7 @@ def test_controller_counts_only_the_drafts_that_exist():
     c2.record_step(16, 0.10)
     c2.record_step(32, 0.10 * 2 / MIN_GAIN * 1.01)  # a gain just under MIN_GAIN: not worth it
     for _ in range(40):
-        c2.metrics.record(1, 1)
+        c2.record(1, 1)
     assert c2.choose_k(16, [1] * 16) == 0
     c2.cost[32] = 0.10 * 2 / MIN_GAIN * 0.9  # a clear gain
     assert c2.choose_k(16, [1] * 16) == 1
