@@ -144,8 +144,9 @@ def report(record: dict) -> str:
             r = m[where]
             acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"  # cumulative
             per_round = "/".join(f"{x:.2f}" for x in r.get("round_speedups", []))
-            rows.append([name, "batch 1" if where == "batch1" else f"{r['requests']} requests at once",
-                         f"{r['speedup']:.2f}x" + (f" ({per_round})" if per_round else ""), f"{r['spec_tok_s']:.1f} / {r['none_tok_s']:.1f}", acc,
+            speedup = f"{r['speedup']:.2f}x" + (f" ({per_round})" if per_round else "")
+            rows.append([name, "batch 1" if where == "batch1" else f"{r['requests']} requests at once", speedup,
+                         f"{r['spec_tok_s']:.1f} / {r['none_tok_s']:.1f}", acc,
                          "lossless" if r["mismatched_requests"] == 0 else f"{r['mismatched_requests']} outputs differ"])
     if rows:
         shape = "chat-templated, stopping at EOS" if a.get("chat") else "EOS ignored"

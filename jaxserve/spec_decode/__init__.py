@@ -17,10 +17,11 @@ that beats K = 0 by `MIN_GAIN` (measurements are noisy; a marginal gain is not w
 honest measurements speculation does not make a loaded server slower than no speculation.
 
 The controller's acceptance estimate forgets (each draft verified at a position decays the older ones there by
-`ACCEPT_DECAY`: a window of ~100 drafts), so it follows the workload, and every `EXPLORE_EVERY`-th decision it tries the runner-up K
-if that is estimated to cost at most `EXPLORE_MAX_LOSS` of the best: an estimate that stopped being measured (K = 0
-after a bad first request, one noisy sample of a step size) is measured again, at a bounded price (<= 1.25% of
-throughput), and never when the alternative is clearly worse (verify under load on a compute-bound device).
+`ACCEPT_DECAY`: a window of ~100 drafts), so it follows the workload, and every `EXPLORE_EVERY`-th decision it
+tries the runner-up K if that is estimated to cost at most `EXPLORE_MAX_LOSS` of the best: an estimate that
+stopped being measured (K = 0 after a bad first request, one noisy sample of a step size) is measured again, at a
+bounded price (<= 1.25% of throughput), and never when the alternative is clearly worse (verify under load on a
+compute-bound device).
 The reported metrics (`SpecMetrics`) stay cumulative.
 """
 
