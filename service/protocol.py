@@ -67,6 +67,9 @@ class ServingLimits:
     max_prompt_chars: int = 1 << 20
     max_in_flight: int = 256  # admitted, unfinished requests; beyond -> RESOURCE_EXHAUSTED / 429
     max_message_bytes: int = 16 << 20  # gRPC receive limit and HTTP body limit
+    max_request_id_len: int = 256  # characters of a client-chosen request id (echoed in every response)
+    max_prompts: int = 64  # prompts in one request (a /v1/completions list); each one counts toward max_in_flight
+    priority_range: tuple[int, int] = (-(2**31), 2**31 - 1)  # client-set priorities allowed (lower = sooner)
 
 
 # Field name -> kind, for every SamplingParams field a client may set.
