@@ -11,6 +11,11 @@ Threads and queues:
   - leaving the `async for` early (client gone, task cancelled) aborts the request in the engine thread.
 Outputs are cumulative RequestOutputs (text and tokens so far), as vLLM's AsyncLLM yields by default; an aborted
 request ends with a finished output whose finish_reason is "abort".
+Failures (jaxserve.errors): a request the engine fails inside a step (finish_reason "error") raises
+RequestFailedError in its own generate() and nowhere else. If the engine loop itself dies, every registered
+request, every add still queued and every later generate() raises EngineDeadError at once: `_lock` makes "check
+the engine is alive, then queue the add" and "mark it dead, then drain the queue" exclusive, so no add can slip in
+between and wait forever.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, PromptType
+from jaxserve.errors import EngineDeadError, RequestFailedError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -67,7 +73,9 @@ class AsyncLLM:
         self.engine = LLMEngine(model, engine_config)
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
-        self._error: BaseException | None = None
+        self._error: EngineDeadError | None = None
+        self._lock = threading.Lock()
+        self._on_death: list = []  # callbacks(error), called from the engine thread when the loop dies
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -85,10 +93,11 @@ class AsyncLLM:
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        if self._error is not None:
-            raise RuntimeError(f"the engine loop died: {self._error!r}")
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, prompt, sampling_params or SamplingParams(), priority, sink))
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            self._commands.put(_Add(request_id, prompt, sampling_params or SamplingParams(), priority, sink))
         finished = False
         try:
             while True:
@@ -105,6 +114,10 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def add_death_callback(self, callback) -> None:
+        """`callback(error)` runs in the engine thread if the engine loop dies (a server exits on it)."""
+        self._on_death.append(callback)
 
     def shutdown(self) -> None:
         self._commands.put(_Stop())
@@ -147,13 +160,33 @@ class AsyncLLM:
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         sink = self._sinks.get(out.request_id)
-                        if sink is not None:
-                            sink.put(out)
-                            if out.finished:
-                                del self._sinks[out.request_id]
-        except BaseException as e:  # surface engine failures to every waiting client
+                        if sink is None:
+                            continue
+                        failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+                        sink.put(out if failed is None else RequestFailedError(out.request_id, str(failed.stop_reason)))
+                        if out.finished:
+                            del self._sinks[out.request_id]
+        except BaseException as e:  # surface engine failures to every waiting client, now and later
             logger.exception("engine loop failed")
-            self._error = e
-            for sink in self._sinks.values():
-                sink.put(RuntimeError(f"the engine loop died: {e!r}"))
-            self._sinks.clear()
+            self._die(e if isinstance(e, EngineDeadError) else EngineDeadError(e))
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._lock:
+            self._error = error
+            pending = []
+            while True:
+                try:
+                    pending.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+        for cmd in pending:
+            if isinstance(cmd, _Add):
+                cmd.sink.put(error)
+        for sink in self._sinks.values():
+            sink.put(error)
+        self._sinks.clear()
+        for callback in self._on_death:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001 -- a listener must not stop the others
+                logger.exception("engine death callback failed")

@@ -123,6 +123,16 @@ class BlockManager:
         seq.page_ids = []
         seq.page_hashes = []
 
+    def discard(self, seq: Sequence) -> None:
+        """Release `seq`'s pages like `free`, but first drop from the prefix cache every page only `seq` holds: its
+        KV may be garbage (a request that failed in a step), and no later request may reuse it. Pages shared with a
+        live sequence stay cached (that sequence's own output depends on them being right)."""
+        for page in seq.page_ids:
+            if self._ref.get(page) == 1 and page in self._page_key:
+                h, _ = self._page_key.pop(page)
+                del self._by_hash[h]
+        self.free(seq)
+
     # ---- prefix caching -------------------------------------------------------------------------------------
 
     def _page_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:

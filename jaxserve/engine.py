@@ -18,6 +18,7 @@ from jaxserve import attention
 from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket, row_offsets
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
+from jaxserve.errors import EngineDeadError
 from jaxserve.kv_cache import kv_cache_bytes
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
@@ -34,6 +35,21 @@ from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 PromptType = str | dict  # "text" | {"prompt_token_ids": [...]} | {"prompt": "text"}
+MAX_FAILED_STEPS = 3  # device steps in a row that raise for every sequence before the engine is declared dead
+
+
+class _RunFailed(Exception):
+    """The device step raised, with the KV cache intact (so the step can be retried in parts)."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(repr(cause))
+        self.cause = cause
+
+
+class _RequestError(Exception):
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(reason)
+        self.request_id, self.reason = request_id, reason
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
@@ -57,6 +73,9 @@ class Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer | None]
     texts: list[str] = field(default_factory=list)
+    # Logprob dicts built so far, per sequence (and for the prompt): each step converts only the new tokens'.
+    logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
 
 
 def resolve_num_pages(
@@ -121,6 +140,9 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = np.random.default_rng(engine_config.seed)
         self.num_steps = 0
+        self.num_failed_requests = 0
+        self._failed_runs = 0  # consecutive steps whose device run raised for every request (see step)
+        self._decoded: dict[int, str | None] = {}  # token id -> its text, for logprobs
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -159,6 +181,11 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {V}) (got {bad[:5]})")
+        if params.top_k > V:
+            raise ValueError(f"top_k must be <= the vocabulary size {V} (got {params.top_k}); 0 or -1 = all tokens")
+        bad = [t for t in params.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {V}) (got {bad[:5]})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.config.max_logprobs:
@@ -167,7 +194,7 @@ class LLMEngine:
             raise ValueError(f"with min_tokens, at most {MAX_BANNED} EOS + stop_token_ids can be suppressed")
         max_tokens = limit - len(ids) if params.max_tokens is None else min(params.max_tokens, limit - len(ids))
         now = time.time()
-        if not isinstance(priority, int):
+        if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer (got {priority!r})")
         seqs = [
             Sequence(next(self._seq_ids), request_id, i, list(ids), params, max_tokens, now, priority=priority)
@@ -177,7 +204,9 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
             for _ in seqs
         ]
-        self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, detoks, [""] * len(seqs))
+        self.requests[request_id] = Request(
+            request_id, text, list(ids), params, seqs, detoks, [""] * len(seqs), [[] for _ in seqs]
+        )
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -218,6 +247,14 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; returns the RequestOutputs of every request it touched.
+
+        A request whose processing fails (its logits are NaN/inf, building its row or appending its token raises)
+        ends alone with finish_reason "error" and its pages are dropped from the prefix cache; the others go on. If
+        the device step itself raises and the KV cache survived, the step's sequences are retried one at a time, so
+        only the culprit fails; `MAX_FAILED_STEPS` steps in a row where nothing could run, or a lost KV cache,
+        raise EngineDeadError.
+        """
         if self.spec is not None:
             self._propose()
         work = self.scheduler.schedule()
@@ -228,22 +265,75 @@ class LLMEngine:
             t = time.perf_counter()
             self.proposer.propose(work)
             self._proposer_seconds += time.perf_counter() - t
-        bucket, inputs, sampling = self._build(work)
+        failed: list[RequestOutput] = []
+        try:
+            outputs = self._run(work, failed, timed=True)
+            self._failed_runs = 0
+        except _RunFailed as e:
+            logger.error("the model step raised %r; retrying its %d sequences one at a time", e.cause, len(work))
+            outputs, ran = [], False
+            for w in work:
+                req = self.requests.get(w.seq.request_id)
+                if req is None:
+                    continue  # a sibling sequence's failure ended the request
+                try:
+                    if len(work) == 1:
+                        raise e
+                    outputs += self._run([w], failed)
+                    ran = True
+                except _RunFailed as alone:
+                    failed.append(self._fail(req, f"the model step raised {alone.cause!r}"))
+            self._failed_runs = 0 if ran else self._failed_runs + 1
+            if self._failed_runs >= MAX_FAILED_STEPS:
+                raise EngineDeadError(f"the model step raised in {self._failed_runs} steps in a row: {e.cause!r}") from e
+        return failed + outputs
+
+    def _run(self, work: list[ScheduledWork], failed: list[RequestOutput], timed: bool = False) -> list[RequestOutput]:
+        """Build, run and postprocess `work`. Requests whose host-side processing raises are failed into `failed`;
+        raises _RunFailed if the device step raised (KV cache intact) and EngineDeadError if it lost the cache."""
+        while True:
+            try:
+                bucket, inputs, sampling = self._build(work)
+                break
+            except _RequestError as e:
+                failed.append(self._fail(self.requests[e.request_id], e.reason))
+                work = [w for w in work if w.seq.request_id in self.requests]
+                if not work:
+                    return []
         targets = self._prompt_targets(work, bucket.num_tokens)
         t0 = time.perf_counter()
-        out, prompt_lp = self.runner.run(bucket, inputs, sampling, targets)
+        try:
+            out, prompt_lp = self.runner.run(bucket, inputs, sampling, targets)
+        except Exception as e:
+            if not self.runner.kv_is_intact():
+                raise EngineDeadError(e) from e
+            raise _RunFailed(e) from e
         run_seconds = time.perf_counter() - t0
         self.num_steps += 1
         if prompt_lp is not None:
             self._record_prompt_logprobs(work, prompt_lp)
-        outputs = self._postprocess(work, out)  # an EAGLE-3 head drafts for the next step in here (timed)
-        if self.spec is not None:
+        outputs = self._postprocess(work, out, failed)  # an EAGLE-3 head drafts for the next step in here (timed)
+        if self.spec is not None and timed:
             # The controller weighs a step size by what it costs: the target's step plus the proposer's work for it.
             if bucket in self._timed_buckets:
                 self.spec.record_step(sum(w.num_tokens for w in work), run_seconds + self._proposer_seconds)
             else:  # a bucket's first run is an outlier (one-time allocations), and a pessimistic first sample would
                 self._timed_buckets.add(bucket)  # never be revisited: the controller would avoid that size
         return outputs
+
+    def _fail(self, req: Request, reason: str) -> RequestOutput:
+        """End `req` with finish_reason "error": free its pages, dropping the ones only it holds from the prefix
+        cache (their KV may be garbage). Returns its final output."""
+        logger.error("request %s failed: %s", req.request_id, reason)
+        now = time.time()
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish("error", now, reason)
+            self.block_manager.discard(seq)
+            self.scheduler.finish(seq)
+        del self.requests[req.request_id]
+        self.num_failed_requests += 1
+        return self._request_output(req)
 
     def _propose(self) -> None:
         """Draft tokens for every decoding sequence (the scheduler decides how many of them it can verify)."""
@@ -353,10 +443,13 @@ class LLMEngine:
             if not w.completes_sequence:
                 continue  # a prefill chunk that samples nothing: neutral row
             drafts = w.seq.spec_token_ids[: w.num_draft]
-            for j in range(w.num_draft + 1):  # verify position j has drafts[:j] as its newest output tokens
-                self._fill_row(sampling, row0 + j, w.seq, drafts[:j])
-                if j < w.num_draft:
-                    sampling["draft_ids"][row0 + j] = drafts[j]
+            try:
+                for j in range(w.num_draft + 1):  # verify position j has drafts[:j] as its newest output tokens
+                    self._fill_row(sampling, row0 + j, w.seq, drafts[:j])
+                    if j < w.num_draft:
+                        sampling["draft_ids"][row0 + j] = drafts[j]
+            except Exception as e:  # noqa: BLE001 -- this request's data; the others must not pay for it
+                raise _RequestError(w.seq.request_id, f"building its sampling row raised {e!r}") from e
         return bucket, inputs, sampling
 
     def _fill_row(self, sampling: dict[str, np.ndarray], row: int, seq: Sequence, extra: list[int]) -> None:
@@ -383,7 +476,9 @@ class LLMEngine:
             banned = self._stop_ids(p)
             sampling["banned"][row, : len(banned)] = banned
 
-    def _postprocess(self, work: list[ScheduledWork], out: dict[str, np.ndarray]) -> list[RequestOutput]:
+    def _postprocess(
+        self, work: list[ScheduledWork], out: dict[str, np.ndarray], failed: list[RequestOutput]
+    ) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, Request] = {}
         starts = [w.seq.num_computed_tokens for w in work]
@@ -391,35 +486,28 @@ class LLMEngine:
         rows = itertools.accumulate((1 + w.num_draft for w in work), initial=0)
         for w, row0 in zip(work, rows):
             seq = w.seq
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue  # failed earlier in this step (a sibling sequence)
             if not w.completes_sequence or seq.is_finished:
                 seq.num_computed_tokens += w.num_tokens
                 self.block_manager.register_computed(seq)
                 continue
-            req = self.requests[seq.request_id]
+            if out["nonfinite"][row0 : row0 + w.num_draft + 1].any():
+                failed.append(self._fail(req, "the model produced non-finite logits (NaN or inf)"))
+                touched.pop(req.request_id, None)
+                continue
+            try:
+                if self._accept(req, w, out, row0, now):
+                    finished.append(seq)
+            except Exception as e:  # noqa: BLE001 -- e.g. the detokenizer: this request fails, the others go on
+                failed.append(self._fail(req, f"processing its output raised {e!r}"))
+                touched.pop(req.request_id, None)
+                continue
             touched[req.request_id] = req
-            # Rows row0 .. row0+num_draft verify the drafts in order; the walk stops at the first rejected one,
-            # whose row holds the replacement token (or, all accepted, the last row holds the bonus token).
-            accepted = accepted_length(out["accepted"][row0 : row0 + w.num_draft].tolist()) if w.num_draft else 0
-            emitted, num_tokens_before = 0, seq.num_tokens
-            for row in range(row0, row0 + accepted + 1):
-                self._append_token(req, seq, out, row, now)
-                emitted += 1
-                if seq.is_finished:
-                    break
-            # KV is valid for the old tokens and the accepted drafts that were kept; the last emitted token is new.
-            seq.num_computed_tokens += w.num_tokens - w.num_draft + min(accepted, emitted - 1)
-            if w.num_draft:
-                self.spec.record(w.num_draft, accepted)
-                seq.spec_num_verified += w.num_draft
-                seq.spec_num_accepted += accepted
-                self.proposer.verified(seq, num_tokens_before, w.num_draft, accepted)
-                self.block_manager.trim(seq, seq.num_tokens)  # pages that only held rejected drafts
-            seq.spec_token_ids = []
-            self.block_manager.register_computed(seq)
-            if seq.is_finished:
-                finished.append(seq)
         if self.spec is not None and self.proposer.drafts_after_step:
             # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
+            # (failed requests' sequences hold no pages any more: the head skips them)
             t = time.perf_counter()
             self.proposer.after_step(work, starts, self.runner.last_hidden, self._draft_cap, self._k_hint())
             self._proposer_seconds += time.perf_counter() - t
@@ -430,6 +518,30 @@ class LLMEngine:
             if o.finished:
                 del self.requests[o.request_id]
         return outputs
+
+    def _accept(self, req: Request, w: ScheduledWork, out: dict[str, np.ndarray], row0: int, now: float) -> bool:
+        """Append the step's tokens for one sequence (the verified walk over its draft rows); True if it finished."""
+        seq = w.seq
+        # Rows row0 .. row0+num_draft verify the drafts in order; the walk stops at the first rejected one,
+        # whose row holds the replacement token (or, all accepted, the last row holds the bonus token).
+        accepted = accepted_length(out["accepted"][row0 : row0 + w.num_draft].tolist()) if w.num_draft else 0
+        emitted, num_tokens_before = 0, seq.num_tokens
+        for row in range(row0, row0 + accepted + 1):
+            self._append_token(req, seq, out, row, now)
+            emitted += 1
+            if seq.is_finished:
+                break
+        # KV is valid for the old tokens and the accepted drafts that were kept; the last emitted token is new.
+        seq.num_computed_tokens += w.num_tokens - w.num_draft + min(accepted, emitted - 1)
+        if w.num_draft:
+            self.spec.record(w.num_draft, accepted)
+            seq.spec_num_verified += w.num_draft
+            seq.spec_num_accepted += accepted
+            self.proposer.verified(seq, num_tokens_before, w.num_draft, accepted)
+            self.block_manager.trim(seq, seq.num_tokens)  # pages that only held rejected drafts
+        seq.spec_token_ids = []
+        self.block_manager.register_computed(seq)
+        return seq.is_finished
 
     def _append_token(self, req: Request, seq: Sequence, out: dict[str, np.ndarray], row: int, now: float) -> None:
         token = int(out["token_ids"][row])
@@ -475,16 +587,15 @@ class LLMEngine:
 
     def _request_output(self, req: Request) -> RequestOutput:
         completions = []
-        for seq, text in zip(req.seqs, req.texts):
+        for seq, text, built in zip(req.seqs, req.texts, req.logprobs):
             stops = seq.params.stop_strings
             if stops and not seq.is_finished:
                 # Hold back what could be the start of a stop string, so streamed text never has to be retracted.
                 text = text[: max(0, len(text) - (max(map(len, stops)) - 1))]
             logprobs = None
-            if seq.params.logprobs is not None:
-                logprobs = [
-                    {t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in top} for top in seq.output_top_logprobs
-                ]
+            if seq.params.logprobs is not None:  # convert only this step's new tokens; the list copy is pointers
+                built.extend(self._logprob_dict(top) for top in seq.output_top_logprobs[len(built) :])
+                logprobs = list(built)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
@@ -509,10 +620,9 @@ class LLMEngine:
         )
         prompt_logprobs = None
         if req.params.prompt_logprobs is not None:
-            prompt_logprobs = [
-                None if top is None else {t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in top}
-                for top in first.prompt_logprobs
-            ]
+            built = req.prompt_logprobs
+            built.extend(None if top is None else self._logprob_dict(top) for top in first.prompt_logprobs[len(built) :])
+            prompt_logprobs = list(built)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -523,6 +633,12 @@ class LLMEngine:
             metrics=metrics,
         )
 
+    def _logprob_dict(self, top: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        return {t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in top}
+
     def _decode_one(self, token: int) -> str | None:
-        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
+        text = self._decoded.get(token, False)
+        if text is False:  # cached: bounded by the vocabulary
+            text = self._decoded[token] = self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
+        return text
 

@@ -80,15 +80,18 @@ def prompt_logprobs(logits: jax.Array, targets: jax.Array, max_logprobs: int) ->
 
 
 def _pack_sampled(s: SamplerOutput) -> jax.Array:
-    """-> i32[R, 3 + 2k]: token, rank, accepted, top ids (k), then bit-cast floats: logprob, top logprobs (k)."""
-    return pack_outputs([s.token_ids, s.ranks, s.accepted.astype(jnp.int32), s.top_ids], [s.logprobs, s.top_logprobs])
+    """-> i32[R, 3 + 2k]: token, rank, flags (bit 0 accepted, bit 1 non-finite logits), top ids (k), then bit-cast
+    floats: logprob, top logprobs (k)."""
+    flags = s.accepted.astype(jnp.int32) | (s.nonfinite.astype(jnp.int32) << 1)
+    return pack_outputs([s.token_ids, s.ranks, flags, s.top_ids], [s.logprobs, s.top_logprobs])
 
 
 def unpack_sampled(a: np.ndarray, k: int) -> dict[str, np.ndarray]:
     return dict(
         token_ids=a[:, 0],
         ranks=a[:, 1],
-        accepted=a[:, 2].astype(bool),
+        accepted=(a[:, 2] & 1).astype(bool),
+        nonfinite=(a[:, 2] & 2).astype(bool),
         top_ids=a[:, 3 : 3 + k],
         logprobs=as_float(a[:, 3 + k]),
         top_logprobs=as_float(a[:, 4 + k : 4 + 2 * k]),
@@ -261,6 +264,10 @@ class ModelRunner:
         k = self.engine_cfg.max_logprobs
         sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
         return unpack_sampled(sampled, k), (unpack_prompt_logprobs(prompt_lp, k) if with_prompt else None)
+
+    def kv_is_intact(self) -> bool:
+        """False once a failed executable call consumed the donated KV cache: the engine cannot go on."""
+        return not any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.kv))
 
 
 class ProposerRunner:

@@ -7,6 +7,7 @@ Per row, in order (vLLM's semantics):
   3. temperature (0 = greedy argmax of the penalised logits);
   4. truncation: top-k (0 = off), top-p (1 = off), min-p (0 = off), computed on the tempered distribution;
   5. a Gumbel-max draw with the row's own key, so a seeded request draws the same noise whatever shares the batch.
+Rows whose raw logits hold a NaN or +inf are flagged (`nonfinite`), never silently sampled from.
 Reported log-probabilities are the model's raw distribution (before penalties, temperature and truncation), as
 vLLM's default `raw_logprobs` mode reports them. Work a batch doesn't need (penalties, sorting, noise) is skipped
 at run time with `lax.cond`, not compiled away, so the executable stays the same for every mix.
@@ -70,6 +71,8 @@ class SamplerOutput:
     top_ids: jax.Array  # i32[S, max_logprobs]
     top_logprobs: jax.Array  # f32[S, max_logprobs]
     accepted: jax.Array  # bool[S]   the row's draft token was accepted (speculative verify rows; else False)
+    nonfinite: jax.Array  # bool[S]  the model's logits hold a NaN or +inf: the row's token is garbage (the engine
+    # fails that request alone instead of emitting it)
 
 
 def apply_penalties(logits: jax.Array, s: SamplingInputs) -> jax.Array:
@@ -176,4 +179,5 @@ def sample(
         top_ids=top_ids,
         top_logprobs=top_logprobs,
         accepted=accepted,
+        nonfinite=jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1),
     )

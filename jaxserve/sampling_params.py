@@ -1,12 +1,22 @@
 """SamplingParams: per-request generation settings, with vLLM's field names and defaults.
 
 Validation happens at construction so a bad request fails alone, before it reaches the engine, with an error
-that names the field and the allowed range.
+that names the field and the allowed range: every field's type and range is checked (numbers finite and bounded so
+no value can overflow the step's int32 / float32 arrays), and numbers are normalised to Python int / float.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# Bounds every request is checked against (the vocabulary-dependent ones -- top_k, token ids -- in the engine).
+MAX_N = 1024
+MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform to float32 precision; 1e300 would overflow to inf
+GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as vLLM does
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # a positive logit / 1e-40 overflows to inf
+INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -38,44 +48,67 @@ class SamplingParams:
             if not ok:
                 raise ValueError(msg)
 
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1 (got {self.n!r})")
-        check(self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})")
-        check(0 < self.top_p <= 1, f"top_p must be in (0, 1] (got {self.top_p})")
+        def integer(name: str, lo: int | None = None, hi: int | None = None, *, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            rng = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None else ""
+            ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+            ok = ok and (lo is None or v >= lo) and (hi is None or v <= hi)
+            check(ok, f"{name} must be an integer{rng} (got {v!r})")
+            setattr(self, name, int(v))
+
+        def real(name: str, lo: float, hi: float, *, open_lo: bool = False) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+            ok = ok and (v > lo if open_lo else v >= lo) and v <= hi
+            check(ok, f"{name} must be in {'(' if open_lo else '['}{lo:g}, {hi:g}] (got {v!r})")
+            setattr(self, name, float(v))
+
+        def boolean(name: str) -> None:
+            v = getattr(self, name)
+            check(isinstance(v, bool), f"{name} must be a boolean (got {v!r})")
+
+        integer("n", 1, MAX_N)
+        real("temperature", 0.0, MAX_TEMPERATURE)
+        if self.temperature < GREEDY_EPS:  # vLLM's rule: a temperature this small is greedy (x / 1e-9 overflows)
+            self.temperature = 0.0
+        real("top_p", 0.0, 1.0, open_lo=True)
+        v = self.top_k
         check(
-            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
-            f"top_k must be -1, 0 (disabled) or a positive integer (got {self.top_k!r})",
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) and (v >= 0 or v == -1) and v <= INT32_MAX,
+            f"top_k must be -1, 0 (disabled) or a positive integer <= the vocabulary size (got {v!r})",
         )
-        check(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (got {self.min_p})")
-        check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})",
-        )
-        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2] (got {self.presence_penalty})")
-        check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2] (got {self.frequency_penalty})")
-        check(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
-        check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-            f"min_tokens must be an integer >= 0 (got {self.min_tokens!r})",
-        )
+        self.top_k = 0 if v == -1 else int(v)
+        real("min_p", 0.0, 1.0)
+        real("presence_penalty", -2.0, 2.0)
+        real("frequency_penalty", -2.0, 2.0)
+        real("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        integer("seed", optional=True)
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            check(v is None or (isinstance(v, int) and v >= 0), f"{name} must be an integer >= 0 (got {v!r})")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer (got {self.seed!r})")
+        integer("logprobs", 0, optional=True)
+        integer("prompt_logprobs", 0, optional=True)
+        integer("num_speculative_tokens", 0, optional=True)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            boolean(name)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         check(
-            self.num_speculative_tokens is None
-            or (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0),
-            f"num_speculative_tokens must be None or an integer >= 0 (got {self.num_speculative_tokens!r})",
+            isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops),
+            f"stop must be a non-empty string or a list of them (got {self.stop!r})",
         )
-        if self.top_k == -1:
-            self.top_k = 0
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        check(all(isinstance(s, str) and s for s in stops), f"stop must be non-empty strings (got {self.stop!r})")
-        self._stop_list = stops
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._stop_list = list(stops)
+        ids = self.stop_token_ids or []
+        check(
+            isinstance(ids, (list, tuple))
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in ids),
+            f"stop_token_ids must be a list of token ids >= 0 (got {self.stop_token_ids!r})",
+        )
+        self.stop_token_ids = [int(t) for t in ids]
 
     @property
     def stop_strings(self) -> list[str]:

@@ -23,6 +23,11 @@ Readiness (health): the engine thread is alive, the server is not draining, and 
 `stall_timeout_s` whenever requests are in flight. The watchdog task re-evaluates this every
 `watchdog_interval_s` and tells listeners (the gRPC health servicer) when it changes.
 Drain (SIGTERM): stop admitting, let in-flight requests finish up to a grace period, abort the rest.
+Prompts: text is tokenized here, in a worker thread (never on the event loop: a 1M-character prompt takes ~1 s),
+after the character limit, so that prompt + max_tokens is checked against max_model_len before admission.
+Errors map by type (jaxserve.errors): ValueError / TypeError from the engine -> InvalidRequest; a request failed
+inside a step -> ServiceError (500) for that request only; a dead engine -> ServiceError for the requests it held,
+Unavailable for new ones (and `jaxserve serve` exits non-zero).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve import AsyncLLM, RequestOutput, SamplingParams
+from jaxserve.errors import EngineDeadError, RequestFailedError
 from service.protocol import (
     DuplicateRequest,
     InvalidRequest,
@@ -212,6 +218,37 @@ class ServingEngine:
             )
         return params
 
+    def check_capacity(self, n: int) -> None:
+        """Refuse now (Overloaded) a request that needs `n` in-flight slots when fewer are free, instead of admitting
+        part of it."""
+        if len(self._in_flight) + n > self.limits.max_in_flight:
+            self.m_rejected.labels("overloaded").inc()
+            raise Overloaded(
+                f"the server is at capacity ({len(self._in_flight)} of {self.limits.max_in_flight} requests in flight, "
+                f"{n} needed); retry later"
+            )
+
+    async def _tokenized(self, prompt, params: SamplingParams):
+        """The engine's prompt form with token ids (text tokenized off the loop), checked against the context."""
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt):
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            if isinstance(text, str) and self.tokenizer is not None:
+                if len(text) > self.limits.max_prompt_chars:
+                    raise InvalidRequest(
+                        f"prompt has {len(text)} characters; the limit is {self.limits.max_prompt_chars}", "prompt"
+                    )
+                prompt = {"prompt": text, "prompt_token_ids": await asyncio.to_thread(self.tokenizer.encode, text)}
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if isinstance(ids, list):
+            n, limit = len(ids), self.max_model_len
+            if params.max_tokens is not None and n + params.max_tokens > limit:
+                raise InvalidRequest(
+                    f"this model's maximum context length is {limit} tokens; the request asks for {n + params.max_tokens} "
+                    f"({n} in the prompt, max_tokens={params.max_tokens}): lower max_tokens or shorten the prompt",
+                    "max_tokens",
+                )
+        return prompt
+
     def stats(self) -> dict:
         s = dict(self.llm.engine.get_stats())
         s["num_requests_in_flight"] = len(self._in_flight)
@@ -280,14 +317,22 @@ class ServingEngine:
         Raises a ServiceError subclass (before the first output) when the request is refused or invalid.
         Closing the iterator early (cancel, disconnect, deadline) aborts the request in the engine.
         """
+        if len(request_id) > self.limits.max_request_id_len:
+            raise InvalidRequest(f"request_id is longer than {self.limits.max_request_id_len} characters", "request_id")
         self._admit(request_id)
         self._in_flight.add(request_id)
         self._idle.clear()
         self.m_requests.labels(protocol).inc()
         last: RequestOutput | None = None
         latest = _Latest()
-        pump = asyncio.create_task(latest.pump(self.llm.generate(prompt, params, request_id, priority=priority)))
+        pump = None
         try:
+            try:
+                prompt = await self._tokenized(prompt, params)
+            except InvalidRequest:
+                self.m_rejected.labels("invalid").inc()
+                raise
+            pump = asyncio.create_task(latest.pump(self.llm.generate(prompt, params, request_id, priority=priority)))
             while last is None or not last.finished:
                 last = await latest.get()
                 yield last
@@ -296,13 +341,14 @@ class ServingEngine:
                 raise
             self.m_rejected.labels("invalid").inc()
             raise InvalidRequest(str(e), field_of(str(e)) or "prompt") from None
-        except RuntimeError as e:
-            if "engine loop died" in str(e):
-                raise ServiceError(f"engine failure: {e}") from None
-            raise
+        except RequestFailedError as e:
+            raise ServiceError(f"the request failed in the engine: {e.reason}") from None
+        except EngineDeadError as e:
+            raise ServiceError(f"engine failure: {e}") from None
         finally:
-            pump.cancel()  # if still running: cancelling it closes the engine stream, which sends the abort
-            await asyncio.gather(pump, return_exceptions=True)
+            if pump is not None:
+                pump.cancel()  # if still running: cancelling it closes the engine stream, which sends the abort
+                await asyncio.gather(pump, return_exceptions=True)
             self._in_flight.discard(request_id)
             if not self._in_flight:
                 self._idle.set()

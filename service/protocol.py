@@ -129,9 +129,12 @@ def build_sampling_params(
         if any(not 0 <= t < vocab_size for t in ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
     except ValueError as e:  # SamplingParams' own checks: their messages start with the field name
         raise InvalidRequest(str(e), field_of(str(e))) from None
+    if params.top_k > vocab_size:
+        raise InvalidRequest(f"top_k must be <= the vocabulary size {vocab_size} (got {params.top_k}); 0 or -1 = all", "top_k")
+    return params
 
 
 def _from_string(name: str, value: str):

@@ -2,7 +2,9 @@
 
 `serve()` is what `jaxserve serve` runs: start both servers, wait for SIGTERM/SIGINT, then drain (health turns
 NOT_SERVING, new requests get UNAVAILABLE / 503, in-flight requests finish or are aborted after
-`drain_timeout_s`), stop the servers and the engine thread, and return 0.
+`drain_timeout_s`), stop the servers and the engine thread, and return 0. If the engine loop dies (an unrecoverable
+engine failure: every request already got an error), it stops the same way at once and returns 1, so a supervisor
+(systemd, Kubernetes) restarts the process instead of it idling unready.
 `ServerThread` runs the same servers on a background thread's event loop (tests, notebooks).
 """
 
@@ -91,6 +93,13 @@ async def serve(serving: ServingEngine, cfg: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    dead: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:  # engine thread
+        dead.append(error)
+        loop.call_soon_threadsafe(stop.set)
+
+    serving.llm.add_death_callback(on_death)
     scheme = "https" if cfg.tls_cert else "http"
     parts = []
     if server.grpc_port is not None:
@@ -99,6 +108,10 @@ async def serve(serving: ServingEngine, cfg: ServerConfig) -> int:
         parts.append(f"{scheme} {scheme}://{cfg.host}:{server.http_port}")
     print(f"jaxserve: serving {serving.model_name} on {', '.join(parts)}", flush=True)
     await stop.wait()
+    if dead:
+        print(f"jaxserve: the engine failed ({dead[0]}); stopping with exit status 1", flush=True)
+        await server.stop(close_engine=False)
+        return 1
     print("jaxserve: draining", flush=True)
     clean = await server.stop()
     print(f"jaxserve: stopped ({'all requests finished' if clean else 'some requests aborted at the drain timeout'})", flush=True)

@@ -156,12 +156,12 @@ def test_bad_request_mid_flight_leaves_others_untouched(llm):
         (dict(max_tokens=-1), "max_tokens must be an integer >= 1"),
         (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
         (dict(top_p=0), r"top_p must be in \(0, 1\]"),
-        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(temperature=-0.5), r"temperature must be in \[0, 100\]"),
         (dict(top_k=-3), "top_k must be"),
         (dict(n=0), "n must be"),
         (dict(min_p=1.5), "min_p must be"),
         (dict(logprobs=-1), "logprobs must be"),
-        (dict(stop=[""]), "stop must be non-empty"),
+        (dict(stop=[""]), "stop must be a non-empty string"),
     ],
 )
 def test_sampling_params_validation(kwargs, match):

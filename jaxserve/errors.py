@@ -1,0 +1,25 @@
+"""Errors the engine raises to its callers, by kind, so a server maps them to statuses by type, never by text.
+
+- `ValueError` / `TypeError` (raised by `SamplingParams` and `LLMEngine.add_request`): the request is invalid; it
+  was never admitted and nothing else is affected.
+- `RequestFailedError`: an admitted request failed inside a step (its logits turned NaN, its host-side processing
+  raised). The engine removed it and freed its pages; every other request goes on.
+- `EngineDeadError`: the engine loop stopped on a failure it cannot attribute to one request (the device step
+  raised repeatedly, the KV cache was lost). Every pending and future request gets it; a server should exit so that
+  its supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+
+class RequestFailedError(RuntimeError):
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id!r} failed in the engine: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+class EngineDeadError(RuntimeError):
+    def __init__(self, cause: BaseException | str):
+        super().__init__(f"the engine loop died: {cause!r}" if isinstance(cause, BaseException) else cause)
+        self.cause = cause
