@@ -161,6 +161,8 @@ class LLMEngine:
             raise TypeError(f"prompt must be a string or a dict with 'prompt_token_ids' (got {type(prompt).__name__})")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
+        if not prompt:  # it would still tokenize to a lone BOS: say so instead of generating from nothing
+            raise ValueError("prompt is empty: it must contain at least one token")
         return prompt, self.tokenizer.encode(prompt)
 
     def add_request(
