@@ -51,7 +51,7 @@ def test_text_is_tokenized_off_the_event_loop(serving, monkeypatch):
 
 def test_prompt_plus_max_tokens_must_fit_the_context(serving):
     prompt = {"prompt_token_ids": list(range(3, 53))}  # 50 tokens of 64
-    with pytest.raises(InvalidRequest, match=r"maximum context length is 64 tokens.*64 \+|asks for 70") as e:
+    with pytest.raises(InvalidRequest, match="maximum context length is 64 tokens; the request asks for 70") as e:
         asyncio.run(_run(serving, prompt, SamplingParams(temperature=0, max_tokens=20)))
     assert e.value.param == "max_tokens"
     out = asyncio.run(_run(serving, prompt, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)))
