@@ -464,9 +464,9 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
         after_step(work, starts, aux, draft_cap, k_hint)
         made.extend((k_hint, len(w.seq.spec_token_ids)) for w in work)
 
-    def spy_postprocess(work, out):
+    def spy_postprocess(work, out, failed):
         verified.extend(w.num_draft for w in work)
-        return postprocess(work, out)
+        return postprocess(work, out, failed)
 
     head_runs, run = [], eng.proposer.runner.run
     monkeypatch.setattr(eng.proposer.runner, "run", lambda *a: head_runs.append(1) or run(*a))
