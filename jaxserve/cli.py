@@ -59,6 +59,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def api_key_from(flag: str | None, environ) -> str | None:
+    """The API key to require: `--api-key` if given (with a warning: every local user can read a command line in
+    `ps`), else `$JAXSERVE_API_KEY`, the recommended way; None (no key) when neither is set or both are empty."""
+    if flag:
+        print("jaxserve: warning: --api-key is visible to every local user (ps, /proc); prefer $JAXSERVE_API_KEY", file=sys.stderr)
+        return flag
+    return environ.get("JAXSERVE_API_KEY") or None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
 
@@ -121,7 +130,7 @@ def _serve(args: argparse.Namespace, parser_defaults: dict) -> int:
     name = args.served_model_name
     if name is None:
         name = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0] if args.model else "SmolLM2-135M-Instruct"
-    api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+    api_key = api_key_from(args.api_key, os.environ)
     llm = AsyncLLM(args.model, engine_config)
     serving = ServingEngine(llm, name, limits, stall_timeout_s=args.stall_timeout)
     cfg = ServerConfig(
@@ -162,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--grpc-port", type=int, default=50051, help="0 = any free port, -1 = no gRPC server")
     s.add_argument("--http-port", type=int, default=8000, help="0 = any free port, -1 = no HTTP server")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the file name)")
-    s.add_argument("--api-key", default=None, help="require this bearer key on every request but health (or $JAXSERVE_API_KEY)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require this bearer key on every request but health; visible to other users in `ps`: "
+        "prefer setting $JAXSERVE_API_KEY",
+    )
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve both endpoints over TLS")
     s.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     s.add_argument("--max-in-flight", type=int, default=256, help="admitted unfinished requests; more get 429 / RESOURCE_EXHAUSTED")

@@ -6,9 +6,11 @@ stored in a GGUF file's metadata (built by `jaxserve.loader.gguf`).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
+import uuid
 from typing import Sequence
 
 import tokenizers
@@ -72,6 +74,117 @@ class Tokenizer:
         return _compile_template(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **special
         )
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        allow_special_tokens_in_content: bool = False,
+        chat_template: str | None = None,
+    ) -> tuple[str, list[int]]:
+        """Render a conversation and tokenize it: (text, token ids, no BOS added beyond the template's own).
+
+        By default the strings a client wrote (each message's `content` and `name`) are tokenized as plain text: a
+        message containing "</s>" or "<|im_start|>system" gets the tokens of those characters, never the EOS or a
+        role marker, so a user cannot forge turns or end the conversation (role forging). Special tokens come only
+        from the chat template itself. allow_special_tokens_in_content=True restores the old behaviour (the whole
+        rendered text tokenized with special-token parsing), for callers that put control tokens in on purpose.
+
+        How: the normal tokenizer splits the text at special tokens before anything else and tokenizes each stretch
+        between them on its own. So the text is tokenized normally once; if a special token lies (even partly)
+        inside a client string, the stretch between the template's own special tokens around it is tokenized again
+        with special-token parsing off. Benign requests therefore get exactly the normal tokenization. The client
+        strings are located by rendering the template a second time with unique markers in their place; a template
+        that rewrites content (so the markers cannot be found) is refused only when the content holds special-token
+        text.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        enc = self._tok.encode(text, add_special_tokens=False)
+        if allow_special_tokens_in_content:
+            return text, enc.ids
+        specials = self._special_ids
+        if not any(t in specials for t in enc.ids):
+            return text, enc.ids
+        spans = self._client_spans(messages, text, add_generation_prompt, chat_template)
+        if spans is None:  # the template rewrites the strings: refuse only if one of them holds special-token text
+            for i, m in enumerate(messages):
+                for key in ("content", "name"):
+                    value = m.get(key)
+                    hit = isinstance(value, str) and next((s for s in self._special_texts if s in value), None)
+                    if hit:
+                        raise ValueError(
+                            f"messages[{i}].{key} contains the special-token text {hit!r} and this chat template "
+                            "rewrites message text, so it cannot be kept as plain text; remove it, or opt in to "
+                            "special tokens in content"
+                        )
+            return text, enc.ids
+
+        starts = [s for s, _ in spans]  # spans are disjoint and in text order
+
+        def in_client_text(start: int, end: int) -> bool:
+            k = bisect.bisect_left(starts, end) - 1  # the last span starting before `end`
+            return k >= 0 and spans[k][1] > start
+
+        # Legit special tokens (the template's) bound the stretches; a stretch holding a forged one is re-tokenized.
+        ids: list[int] = []
+        stretch: list[int] = []  # tokens since the last legit special token, which ended at stretch_start
+        stretch_start, forged = 0, False
+        for tid, (start, end) in zip(enc.ids, enc.offsets):
+            if tid in specials and not in_client_text(start, end):
+                ids += self._plain_encode(text[stretch_start:start]) if forged else stretch
+                ids.append(tid)
+                stretch_start, stretch, forged = end, [], False
+            else:
+                stretch.append(tid)
+                forged = forged or tid in specials
+        ids += self._plain_encode(text[stretch_start:]) if forged else stretch
+        return text, ids
+
+    def _client_spans(
+        self, messages: list[dict], text: str, add_generation_prompt: bool, chat_template: str | None
+    ) -> list[tuple[int, int]] | None:
+        """Character spans of the client strings in `text`, or None if the template does not copy them verbatim."""
+        nonce = uuid.uuid4().hex
+        marked, values = [], []
+        for m in messages:
+            m = dict(m)
+            for key in ("content", "name"):
+                if isinstance(m.get(key), str):
+                    values.append(m[key])
+                    m[key] = f"\x00{nonce}:{len(values) - 1}\x00"
+            marked.append(m)
+        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        pieces = rendered.split(f"\x00{nonce}:")
+        spans, out, pos = [], [pieces[0]], len(pieces[0])
+        for piece in pieces[1:]:
+            index, sep, rest = piece.partition("\x00")
+            if not sep or not index.isdigit() or int(index) >= len(values):
+                return None
+            value = values[int(index)]
+            spans.append((pos, pos + len(value)))
+            out += [value, rest]
+            pos += len(value) + len(rest)
+        return spans if "".join(out) == text else None
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
+    @functools.cached_property
+    def _plain(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that reads special-token text as ordinary characters (a separate object, so
+        that no thread ever sees the shared tokenizer's flag flipped)."""
+        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def _plain_encode(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
