@@ -14,6 +14,12 @@ requests on one stream, matched by `id`, each answered by one or more responses;
 `error_message` and the stream stays open. Every streamed response carries `triton_final_response`; a request
 with `triton_enable_empty_final_response` gets a last empty response marked final. Cancelling the stream aborts
 all its requests.
+Hostile input: every malformed request is INVALID_ARGUMENT (NOT_FOUND for an unknown model or version) naming the
+input, parameter or field, in-band on a stream: tensors are checked for name, datatype, shape, element count and
+encoding; `sampling_parameters` is parsed as flat JSON (no nesting, no NaN / Infinity, integers of at most
+_MAX_INT_DIGITS digits, at most _MAX_SAMPLING_JSON bytes) and every field, from it or from the request `parameters`
+map, goes through protocol.build_sampling_params. A client that stops reading a stream holds bounded memory: see
+ModelStreamInfer.
 
 The messages come from service/proto/kserve_v2.binpb (scripts/gen_protos.sh), loaded into a private descriptor
 pool: a client library with its own copy of these protobuf names can live in the same process.
@@ -25,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import struct
 
@@ -34,6 +41,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import jaxserve
 from service.async_engine import ServingEngine
+from service.grpc_server import abort, build_params, check_request_id, short, status_details
 from service.protocol import InvalidRequest, ModelNotFound, ServiceError, check_prompt
 
 logger = logging.getLogger(__name__)
@@ -68,41 +76,105 @@ _INPUTS = {
 _OUTPUTS = {"text_output": "BYTES", "finish_reason": "BYTES", "num_input_tokens": "UINT32", "num_output_tokens": "UINT32"}
 # Request parameters Triton reserves for itself; everything else in `parameters` is read as a sampling field.
 _RESERVED = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "binary_data_output")
+_MAX_SAMPLING_JSON = 64 << 10  # bytes of sampling_parameters: 16 stop strings of 256 characters fit many times over
+_MAX_INT_DIGITS = 100  # a longer integer is refused by name (Python's int() would refuse beyond 4300, unnamed)
+_STREAM_QUEUE = 16  # responses of one ModelStreamInfer call waiting for the client to read them
 
 
-def _bytes_elements(raw: bytes) -> list[bytes]:
+def _bytes_elements(raw: bytes, name: str) -> list[bytes]:
     out, i = [], 0
     while i < len(raw):
         if i + 4 > len(raw):
-            raise InvalidRequest("BYTES tensor: truncated length prefix")
+            raise InvalidRequest(f"input {name!r}: BYTES raw contents end inside a 4-byte length prefix", name)
         (n,) = struct.unpack_from("<I", raw, i)
         i += 4
         if i + n > len(raw):
-            raise InvalidRequest(f"BYTES tensor: element of {n} bytes overruns the buffer")
+            raise InvalidRequest(f"input {name!r}: a BYTES element of {n} bytes overruns the raw contents", name)
         out.append(raw[i : i + n])
         i += n
     return out
 
 
-def _input_values(req, index: int, tensor) -> list:
-    if tensor.datatype != _INPUTS[tensor.name]:
-        raise InvalidRequest(f"input {tensor.name!r} must have datatype {_INPUTS[tensor.name]} (got {tensor.datatype!r})", tensor.name)
+def _input_value(req, index: int, tensor):
+    """The one element of an input tensor, from `contents` or `raw_input_contents[index]`."""
+    name, datatype = tensor.name, _INPUTS[tensor.name]
+    if tensor.datatype != datatype:
+        raise InvalidRequest(f"input {name!r} must have datatype {datatype} (got {short(tensor.datatype)})", name)
+    if any(d < 0 for d in tensor.shape) or math.prod(tensor.shape) != 1:
+        raise InvalidRequest(f"input {name!r} must have shape [1] (got {short(list(tensor.shape))})", name)
     if req.raw_input_contents:
-        if index >= len(req.raw_input_contents):
-            raise InvalidRequest(f"input {tensor.name!r} has no raw_input_contents entry", tensor.name)
+        if tensor.HasField("contents"):
+            raise InvalidRequest(f"input {name!r} has contents, but the request uses raw_input_contents", name)
         raw = req.raw_input_contents[index]
-        values = _bytes_elements(raw) if tensor.datatype == "BYTES" else [bool(b) for b in raw]
+        values = _bytes_elements(raw, name) if datatype == "BYTES" else [bool(b) for b in raw]
     else:
         c = tensor.contents
-        values = list(c.bytes_contents) if tensor.datatype == "BYTES" else list(c.bool_contents)
+        values = list(c.bytes_contents) if datatype == "BYTES" else list(c.bool_contents)
     if len(values) != 1:
-        raise InvalidRequest(f"input {tensor.name!r} must hold exactly one element (got {len(values)})", tensor.name)
-    return values
+        raise InvalidRequest(f"input {name!r} must hold exactly one element, as its shape says (got {len(values)})", name)
+    return values[0]
 
 
-def _param_value(p):
+def _param_value(key: str, p):
     which = p.WhichOneof("parameter_choice")
-    return None if which is None else getattr(p, which)
+    if which is None:
+        raise InvalidRequest(f"parameter {short(key)} has no value: set one of bool/int64/uint64/double/string_param", key)
+    return getattr(p, which)
+
+
+class _BadNumber:
+    """A JSON number Python would read wrongly or not at all (NaN / Infinity, floats that overflow to inf, integers
+    of more than _MAX_INT_DIGITS digits): a marker, so that the error names the parameter holding it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _parse_int(text: str):
+    return _BadNumber(text) if len(text) > _MAX_INT_DIGITS else int(text)
+
+
+def _parse_float(text: str):
+    value = float(text)
+    return value if math.isfinite(value) else _BadNumber(text)
+
+
+def _sampling_json(raw: bytes) -> dict:
+    """sampling_parameters as a flat JSON object of scalars and lists of scalars, every value checked by name."""
+    param = "sampling_parameters"
+    if len(raw) > _MAX_SAMPLING_JSON:
+        raise InvalidRequest(f"{param} has {len(raw)} bytes; the limit is {_MAX_SAMPLING_JSON}", param)
+    try:
+        js = json.loads(raw.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float, parse_constant=_BadNumber)
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"{param} must be UTF-8 JSON: {e.reason} at byte {e.start}", param) from None
+    except RecursionError:
+        raise InvalidRequest(f"{param} nests JSON too deep: it must be a flat object of sampling fields", param) from None
+    except ValueError as e:  # json.JSONDecodeError says where
+        raise InvalidRequest(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(js, dict):
+        raise InvalidRequest(f"{param} must be a JSON object (got {type(js).__name__})", param)
+    for key, value in js.items():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, _BadNumber):
+                raise InvalidRequest(
+                    f"{key} must be a finite number, integers at most {_MAX_INT_DIGITS} digits (got {short(v.text)})", key
+                )
+            if isinstance(v, (dict, list)):
+                raise InvalidRequest(f"{param}: {short(key)} must be a string, number, boolean or a list of them", key)
+            if isinstance(v, str) and not _is_unicode(v):
+                raise InvalidRequest(f"{param}: {short(key)} holds an unpaired UTF-16 surrogate", key)
+        if not _is_unicode(key):
+            raise InvalidRequest(f"{param}: a key holds an unpaired UTF-16 surrogate", param)
+    return js
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 class _Parsed:
@@ -115,6 +187,13 @@ class KServeServicer:
     def __init__(self, serving: ServingEngine):
         self.serving = serving
 
+    def _check_model(self, name: str, version: str, fields: tuple[str, str] = ("model_name", "model_version")) -> None:
+        s = self.serving
+        if name != s.model_name:
+            raise ModelNotFound(f"{fields[0]}: no model {short(name)} here; this server serves {s.model_name!r}", fields[0])
+        if version not in ("", "1"):
+            raise ModelNotFound(f"{fields[1]}: model {s.model_name!r} has no version {short(version)}, only '1'", fields[1])
+
     # ---- metadata RPCs --------------------------------------------------------------------------------------
 
     async def ServerLive(self, request, context):
@@ -124,15 +203,17 @@ class KServeServicer:
         return M["ServerReadyResponse"](ready=self.serving.evaluate_readiness())
 
     async def ModelReady(self, request, context):
-        ok = request.name == self.serving.model_name and self.serving.evaluate_readiness()
-        return M["ModelReadyResponse"](ready=ok)
+        ok = request.name == self.serving.model_name and request.version in ("", "1")
+        return M["ModelReadyResponse"](ready=ok and self.serving.evaluate_readiness())
 
     async def ServerMetadata(self, request, context):
         return M["ServerMetadataResponse"](name="jaxserve", version=jaxserve.__version__, extensions=[])
 
     async def ModelMetadata(self, request, context):
-        if request.name != self.serving.model_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
+        try:
+            self._check_model(request.name, request.version, ("name", "version"))
+        except ServiceError as e:
+            await abort(context, e)
         T = M["ModelMetadataResponse"].TensorMetadata
         return M["ModelMetadataResponse"](
             name=self.serving.model_name,
@@ -143,8 +224,10 @@ class KServeServicer:
         )
 
     async def ModelConfig(self, request, context):
-        if request.name != self.serving.model_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name!r}")
+        try:
+            self._check_model(request.name, request.version, ("name", "version"))
+        except ServiceError as e:
+            await abort(context, e)
         types = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "UINT32": "TYPE_UINT32"}
         enum = self._data_type
         config = M["ModelConfig"](
@@ -166,45 +249,52 @@ class KServeServicer:
 
     def _parse(self, req) -> _Parsed:
         s = self.serving
-        if req.model_name != s.model_name:
-            raise ModelNotFound(f"unknown model {req.model_name!r}; this server serves {s.model_name!r}", "model_name")
+        self._check_model(req.model_name, req.model_version)
+        check_request_id(req.id, s.limits, "id")
+        if req.raw_input_contents and len(req.raw_input_contents) != len(req.inputs):
+            raise InvalidRequest(
+                f"raw_input_contents has {len(req.raw_input_contents)} entries for {len(req.inputs)} inputs: "
+                "with raw contents, every input has one",
+                "raw_input_contents",
+            )
         values = {}
         for i, t in enumerate(req.inputs):
             if t.name not in _INPUTS:
-                raise InvalidRequest(f"unknown input {t.name!r}; known inputs: {', '.join(_INPUTS)}", t.name)
-            values[t.name] = _input_values(req, i, t)[0]
+                raise InvalidRequest(f"unknown input {short(t.name)}; known inputs: {', '.join(_INPUTS)}", t.name[:100])
+            if t.name in values:
+                raise InvalidRequest(f"input {t.name!r} is given more than once", t.name)
+            values[t.name] = _input_value(req, i, t)
         if "text_input" not in values:
             raise InvalidRequest("the text_input input is required", "text_input")
         try:
             text = values["text_input"].decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidRequest("text_input must be UTF-8 text", "text_input") from None
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(f"text_input must be UTF-8 text: {e.reason} at byte {e.start}", "text_input") from None
         prompt = check_prompt(text, s.limits, s.vocab_size, "text_input")
         fields = {}
         for key, p in req.parameters.items():
             if key in _RESERVED or key.startswith("triton_"):
                 continue
-            fields[key] = _param_value(p)
+            fields[key] = _param_value(key, p)
         if "sampling_parameters" in values:
-            try:
-                js = json.loads(values["sampling_parameters"])
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise InvalidRequest("sampling_parameters must be a JSON object", "sampling_parameters") from None
-            if not isinstance(js, dict):
-                raise InvalidRequest("sampling_parameters must be a JSON object", "sampling_parameters")
-            fields.update(js)
-        params = s.build_params(fields, coerce_strings=True)
-        stream = bool(values.get("stream", False))
+            fields.update(_sampling_json(values["sampling_parameters"]))
+        params = build_params(s, fields, coerce_strings=True, param="sampling_parameters")
+        stream = values.get("stream", False)
         exclude = values.get("exclude_input_in_output")
         if stream and exclude is False:
             raise InvalidRequest("streaming with exclude_input_in_output=false is not supported", "exclude_input_in_output")
         exclude = stream if exclude is None else exclude
         want = {o.name for o in req.outputs} or {"text_output"}
+        unknown = sorted(want - set(_OUTPUTS))
+        if unknown:
+            raise InvalidRequest(f"unknown output {short(unknown[0])}; known outputs: {', '.join(_OUTPUTS)}", "outputs")
         for name in ("finish_reason", "num_input_tokens", "num_output_tokens"):
             if values.get(f"return_{name}"):
                 want.add(name)
-        p = req.parameters.get("triton_enable_empty_final_response")
-        empty_final = p is not None and _param_value(p) is True
+        key = "triton_enable_empty_final_response"
+        empty_final = _param_value(key, req.parameters[key]) if key in req.parameters else False
+        if not isinstance(empty_final, bool):
+            raise InvalidRequest(f"{key} must be a bool_param (got {short(empty_final)})", key)
         return _Parsed(prompt, params, stream, exclude, want, empty_final)
 
     def _response(self, req, parsed: _Parsed, out, texts: list[str], final: bool | None):
@@ -259,26 +349,36 @@ class KServeServicer:
                 result = resp
             return result
         except ServiceError as e:
-            await context.abort(e.grpc_code, e.message)
+            await abort(context, e)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        queue: asyncio.Queue = asyncio.Queue()
+        """Triton's decoupled stream, in bounded memory whatever the client does.
+
+        A client that stops reading holds at most _STREAM_QUEUE responses in the queue plus one waiting response per
+        running request: a request whose response does not fit waits, and since ServingEngine keeps only its newest
+        cumulative output meanwhile, its next delta simply covers more tokens. At most `max_in_flight` requests of
+        one stream run (or wait to report an error) at once; beyond that the stream stops reading requests and
+        HTTP/2 flow control holds the client back.
+        """
+        queue: asyncio.Queue = asyncio.Queue(maxsize=_STREAM_QUEUE)
+        seats = asyncio.Semaphore(self.serving.limits.max_in_flight)
         end = object()
         tasks: set[asyncio.Task] = set()
 
         async def run_one(req):
             try:
+                if isinstance(req, ServiceError):  # bytes that are not a ModelInferRequest (grpc_server.DecodeGuard)
+                    raise req
                 async for resp in self._results(req, self._parse(req), streamed=True):
                     await queue.put(M["ModelStreamInferResponse"](infer_response=resp))
             except Exception as e:  # noqa: BLE001 -- in-band, so one bad request never ends the shared stream
-                if not isinstance(e, ServiceError):
-                    logger.exception("KServe stream request %r failed", req.id)
-                message = e.message if isinstance(e, ServiceError) else f"internal error: {e!r}"
-                err = M["ModelInferResponse"](model_name=req.model_name, model_version=req.model_version, id=req.id)
-                await queue.put(M["ModelStreamInferResponse"](error_message=message, infer_response=err))
+                await queue.put(self._stream_error(req, e))
+            finally:
+                seats.release()
 
         async def read():
             async for req in request_iterator:
+                await seats.acquire()
                 t = asyncio.create_task(run_one(req))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
@@ -298,6 +398,23 @@ class KServeServicer:
             for t in list(tasks):
                 t.cancel()
             await asyncio.gather(reader, *list(tasks), return_exceptions=True)
+
+    def _stream_error(self, req, e: Exception):
+        """An in-band error response; it echoes the request's id, model and version only when they are valid."""
+        if isinstance(e, ServiceError):
+            message = e.message
+        else:
+            logger.exception("KServe stream request failed", exc_info=e)
+            message = "internal error; the server log has the details"
+        resp = M["ModelInferResponse"]()
+        if not isinstance(req, ServiceError):
+            with contextlib.suppress(ServiceError):
+                self._check_model(req.model_name, req.model_version)
+                resp.model_name, resp.model_version = req.model_name, req.model_version
+            with contextlib.suppress(ServiceError):
+                check_request_id(req.id, self.serving.limits, "id")
+                resp.id = req.id
+        return M["ModelStreamInferResponse"](error_message=status_details(message), infer_response=resp)
 
 
 def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:

@@ -144,7 +144,7 @@ BAD = [
     (_request(""), "prompt"),
     (_request([]), "prompt"),
     (_request([100000]), "prompt"),
-    (_request("x" * 300), "max_model_len"),
+    (_request("x" * 300), "max_tokens"),  # prompt + max_tokens beyond the context
     (_request("a", max_tokens=0), "max_tokens"),
     (_request("a", temperature=-1.0), "temperature"),
     (_request("a", temperature=float("nan")), "temperature"),
@@ -170,14 +170,14 @@ def test_malformed_requests_get_invalid_argument(stub, server):
             list(stub.Generate(req))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, e.value.details())
         assert field in e.value.details(), (req, e.value.details())
-    # Invalid UTF-8 in a string field is refused by the protobuf layer; the server carries on.
+    # Invalid UTF-8 in a string field does not parse: INVALID_ARGUMENT (grpc.aio alone says UNKNOWN); the server carries on.
     bad_utf8 = b"\x12\x02\xff\xfe"  # field 2 (text), 2 bytes, not UTF-8
     call = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}").unary_stream(
         "/jaxserve.v1.Generation/Generate", request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
     )
     with pytest.raises(grpc.RpcError) as e:
         list(call(bad_utf8))
-    assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf message" in e.value.details()
     _, ids = _join(stub.Generate(_request("still alive", temperature=0, max_tokens=3)))
     assert 1 <= len(ids) <= 3
     wait_engine_idle(server)
@@ -280,19 +280,53 @@ def test_api_key_interceptor(server):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
             stub = pb_grpc.GenerationStub(ch)
-            for metadata in ((), (("authorization", "Bearer nope"),)):
+            refused = ("Bearer nope", "Basic k3y", "k3y", "Bearerk3y", "Bearer k3y2", "Bearer k3")
+            for metadata in ((), *((("authorization", v),) for v in refused)):
                 with pytest.raises(grpc.RpcError) as e:
                     stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 with pytest.raises(grpc.RpcError) as e:
                     list(stub.Generate(_request("a", max_tokens=1), metadata=metadata))
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            for scheme in ("bearer", "BEARER", "bEaReR"):  # the scheme is case-insensitive (RFC 7235)
+                metadata = (("authorization", f"{scheme} k3y"),)
+                assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata).model_name == MODEL_NAME
             ok = (("authorization", "Bearer k3y"),)
             assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=ok).model_name == MODEL_NAME
             assert _join(stub.Generate(_request("a", temperature=0, max_tokens=2), metadata=ok))[1]
             assert _health(ch) == health_pb2.HealthCheckResponse.SERVING  # health needs no key
     finally:
         keyed.stop(close_engine=False)
+
+
+def test_abort_is_scoped_to_the_callers_connection(server):
+    """With an API key (shared, so it names no one), Abort reaches only requests started on the caller's own
+    connection: another client cannot stop mine (found=false, as for an unknown id) and may even reuse my id."""
+    from service.server import ServerConfig, ServerThread
+
+    keyed = ServerThread(server.server.serving, ServerConfig(grpc_port=0, http_port=None, api_key="k3y")).start()
+    auth = (("authorization", "Bearer k3y"),)
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]  # else both channels share one connection
+    address = f"127.0.0.1:{keyed.grpc_port}"
+    try:
+        with grpc.insecure_channel(address, own_connection) as a, grpc.insecure_channel(address, own_connection) as b:
+            mine, theirs = pb_grpc.GenerationStub(a), pb_grpc.GenerationStub(b)
+            with EngineHook(server, step_delay=0.01):
+                req = _request("go", temperature=0, max_tokens=200, ignore_eos=True)
+                req.request_id = "mine"
+                stream = mine.Generate(req, metadata=auth)
+                next(stream)
+                assert not theirs.Abort(pb.AbortRequest(request_id="mine"), metadata=auth).found
+                same_id = _request("other", temperature=0, max_tokens=2)
+                same_id.request_id = "mine"
+                assert len(_join(theirs.Generate(same_id, metadata=auth))[1]) == 2
+                assert not next(stream).finished, "my request still runs"
+                assert mine.Abort(pb.AbortRequest(request_id="mine"), metadata=auth).found
+                rest = list(stream)
+            assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == pb.FINISH_REASON_ABORT
+    finally:
+        keyed.stop(close_engine=False)
+    wait_engine_idle(server)
 
 
 def test_generated_stubs_are_fresh(tmp_path):

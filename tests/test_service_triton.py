@@ -1,14 +1,19 @@
 """KServe v2 / Triton compatibility: the stock `tritonclient[grpc]` client against jaxserve on 127.0.0.1."""
 
+import asyncio
 import json
 import queue
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
+from grpc_helpers import infer
 from jaxserve import LLM, SamplingParams
+from service import kserve
+from service.protocol import ServingLimits, build_sampling_params
 from service_fixtures import CFG, MODEL_NAME, EngineHook, make_tiny_model_with_tokenizer, start_server, wait_engine_idle
 
 
@@ -146,6 +151,16 @@ def test_stream_errors_are_in_band(client, reference):
     with pytest.raises(InferenceServerException) as e:
         client.infer(MODEL_NAME, [_raw_bytes("prompt", b"x")])
     assert "StatusCode.INVALID_ARGUMENT" in e.value.status()
+    # Values that once escaped as UNKNOWN with raw exception text: each names its parameter.
+    for sampling, field in (
+        (b'{"top_k": "10000000000"}', "top_k"),
+        (b'{"seed": ' + b"9" * 5000 + b"}", "seed"),
+        (b'{"stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "sampling_parameters"),
+        (b'{"temperature": [1]}', "temperature"),
+    ):
+        with pytest.raises(InferenceServerException) as e:
+            client.infer(MODEL_NAME, _inputs("x", False) + [_raw_bytes("sampling_parameters", sampling)])
+        assert "StatusCode.INVALID_ARGUMENT" in e.value.status() and field in e.value.message(), e.value.message()
 
 
 def _raw_bytes(name, value: bytes):
@@ -163,3 +178,58 @@ def test_stop_stream_cancels_requests(client, server):
         assert server.server.serving.llm.engine.has_unfinished_requests()
         client.stop_stream(cancel_requests=True)
         wait_engine_idle(server, timeout=1.5)
+
+
+class _FloodServing:
+    """A stand-in ServingEngine whose requests yield a new cumulative output each time one is taken, forever."""
+
+    model_name = MODEL_NAME
+    vocab_size = 300
+    limits = ServingLimits(max_in_flight=4)
+
+    def __init__(self):
+        self.num_started = self.num_closed = self.num_outputs = 0
+
+    def build_params(self, fields: dict, *, coerce_strings: bool = False) -> SamplingParams:
+        return build_sampling_params(fields, self.limits, vocab_size=self.vocab_size, coerce_strings=coerce_strings)
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.num_started}"
+
+    async def generate(self, prompt, params, request_id, *, protocol, priority=0):
+        self.num_started += 1
+        try:
+            for n in range(1, 10**9):
+                self.num_outputs += 1
+                c = SimpleNamespace(index=0, text="x" * n, token_ids=[0] * n, finish_reason=None)
+                yield SimpleNamespace(finished=False, prompt=prompt, prompt_token_ids=[1], outputs=[c])
+                await asyncio.sleep(0)
+        finally:
+            self.num_closed += 1
+
+
+def test_stream_memory_is_bounded_when_the_client_stops_reading():
+    """ModelStreamInfer with 100 endless requests and a client that reads one response, then nothing: the server
+    stops producing (a bounded response queue) and starts at most max_in_flight of the requests."""
+
+    async def main():
+        serving = _FloodServing()
+        client_open = asyncio.Event()
+
+        async def requests():
+            for i in range(100):
+                yield infer(b"hi", id=str(i), stream=True)
+            await client_open.wait()
+
+        responses = kserve.KServeServicer(serving).ModelStreamInfer(requests(), None)
+        assert not (await anext(responses)).error_message
+        await asyncio.sleep(0.3)
+        produced = serving.num_outputs
+        await asyncio.sleep(0.3)
+        assert serving.num_outputs == produced, "nothing is produced while the client reads nothing"
+        assert produced <= kserve._STREAM_QUEUE + 2 * serving.limits.max_in_flight
+        assert serving.num_started <= serving.limits.max_in_flight
+        await responses.aclose()  # the call ends: every request is closed (aborted)
+        assert serving.num_closed == serving.num_started
+
+    asyncio.run(main())
