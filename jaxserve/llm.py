@@ -103,9 +103,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-            )
-            # The template writes any BOS itself, so the text is tokenized without adding special tokens.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            # Message content is tokenized as plain text (no role forging); the template writes any BOS itself.
+            text, ids = tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

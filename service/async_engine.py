@@ -241,6 +241,11 @@ class ServingEngine:
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if isinstance(ids, list):
             n, limit = len(ids), self.max_model_len
+            if n >= limit:
+                raise InvalidRequest(
+                    f"prompt has {n} tokens but max_model_len is {limit}: it must be shorter to leave room for output",
+                    "prompt",
+                )
             if params.max_tokens is not None and n + params.max_tokens > limit:
                 raise InvalidRequest(
                     f"this model's maximum context length is {limit} tokens; the request asks for {n + params.max_tokens} "
@@ -346,13 +351,14 @@ class ServingEngine:
         except EngineDeadError as e:
             raise ServiceError(f"engine failure: {e}") from None
         finally:
-            if pump is not None:
-                pump.cancel()  # if still running: cancelling it closes the engine stream, which sends the abort
-                await asyncio.gather(pump, return_exceptions=True)
+            # Release the slot first: a second cancellation can interrupt the await below.
             self._in_flight.discard(request_id)
             if not self._in_flight:
                 self._idle.set()
             self._record(last)
+            if pump is not None:
+                pump.cancel()  # if still running: cancelling it closes the engine stream, which sends the abort
+                await asyncio.gather(pump, return_exceptions=True)
 
     def _record(self, out: RequestOutput | None) -> None:
         if out is None:
