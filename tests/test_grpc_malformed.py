@@ -60,7 +60,7 @@ CASES = [
     v1("empty-token-ids", gen([]), "prompt"),
     v1("token-id-beyond-vocab", gen([5, 300]), "prompt"),
     v1("token-id-uint32-max", gen([2**32 - 1]), "prompt"),
-    v1("prompt-longer-than-context", gen("x" * 300), "max_tokens"),
+    v1("prompt-longer-than-context", gen("x" * 300), "prompt"),
     v1("prompt-over-char-limit", gen("x" * (MB + 1)), "prompt"),
     # ---- Generate: sampling ranges, NaN / inf, huge numbers --------------------------------------------------
     v1("max-tokens-0", gen(max_tokens=0), "max_tokens"),
@@ -130,7 +130,7 @@ CASES = [
     ks("text-input-not-utf8", infer(b"\xff\xfeHello"), "text_input"),
     ks("text-input-empty", infer(b""), "text_input"),
     ks("text-input-twice", infer(extra=[tensor("text_input", "BYTES", b"again")]), "text_input"),
-    ks("text-input-longer-than-context", infer(b"x" * 300), "max_tokens"),
+    ks("text-input-longer-than-context", infer(b"x" * 300), "prompt"),
     ks("unknown-input", infer(extra=[tensor("prompt", "BYTES", b"x")]), "prompt"),
     ks("stream-as-bytes", infer(extra=[tensor("stream", "BYTES", b"true")]), "stream"),
     ks("stream-keeping-input", infer(stream=True, extra=[tensor("exclude_input_in_output", "BOOL", False)]), "exclude_input_in_output"),

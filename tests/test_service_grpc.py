@@ -144,7 +144,7 @@ BAD = [
     (_request(""), "prompt"),
     (_request([]), "prompt"),
     (_request([100000]), "prompt"),
-    (_request("x" * 300), "max_tokens"),  # prompt + max_tokens beyond the context
+    (_request("x" * 300), "prompt"),  # the prompt alone fills the context
     (_request("a", max_tokens=0), "max_tokens"),
     (_request("a", temperature=-1.0), "temperature"),
     (_request("a", temperature=float("nan")), "temperature"),
