@@ -5,6 +5,7 @@
     latency     single-stream and batched decode vs HF / llama.cpp / vLLM-CPU, with the bandwidth roofline
     spec        speculative decoding speedup per method vs none (batch 1 and under load)
     kv          sequences and context a fixed KV budget holds per KV dtype
+    soak        chaos soak: 256 streams with cancels / deadlines / disconnects; exits non-zero if a check fails
 
 Peers are optional (scripts/install_peers.sh); a missing one is skipped with a message. Run on a quiet machine.
 """
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "latency": "bench.decode",
     "spec": "bench.spec",
     "kv": "bench.kv",
+    "soak": "bench.soak",
 }
 
 
