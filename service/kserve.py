@@ -42,7 +42,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 import jaxserve
 from service.async_engine import ServingEngine
 from service.grpc_server import abort, build_params, check_request_id, short, status_details
-from service.protocol import InvalidRequest, ModelNotFound, ServiceError, check_prompt
+from service.protocol import BadNumber, InvalidRequest, ModelNotFound, ServiceError, check_prompt, loads_strict
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -122,30 +122,13 @@ def _param_value(key: str, p):
     return getattr(p, which)
 
 
-class _BadNumber:
-    """A JSON number Python would read wrongly or not at all (NaN / Infinity, floats that overflow to inf, integers
-    of more than _MAX_INT_DIGITS digits): a marker, so that the error names the parameter holding it."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-
-def _parse_int(text: str):
-    return _BadNumber(text) if len(text) > _MAX_INT_DIGITS else int(text)
-
-
-def _parse_float(text: str):
-    value = float(text)
-    return value if math.isfinite(value) else _BadNumber(text)
-
-
 def _sampling_json(raw: bytes) -> dict:
     """sampling_parameters as a flat JSON object of scalars and lists of scalars, every value checked by name."""
     param = "sampling_parameters"
     if len(raw) > _MAX_SAMPLING_JSON:
         raise InvalidRequest(f"{param} has {len(raw)} bytes; the limit is {_MAX_SAMPLING_JSON}", param)
     try:
-        js = json.loads(raw.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float, parse_constant=_BadNumber)
+        js = loads_strict(raw.decode("utf-8"), _MAX_INT_DIGITS)
     except UnicodeDecodeError as e:
         raise InvalidRequest(f"{param} must be UTF-8 JSON: {e.reason} at byte {e.start}", param) from None
     except RecursionError:
@@ -156,7 +139,7 @@ def _sampling_json(raw: bytes) -> dict:
         raise InvalidRequest(f"{param} must be a JSON object (got {type(js).__name__})", param)
     for key, value in js.items():
         for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, _BadNumber):
+            if isinstance(v, BadNumber):
                 raise InvalidRequest(
                     f"{key} must be a finite number, integers at most {_MAX_INT_DIGITS} digits (got {short(v.text)})", key
                 )

@@ -22,7 +22,7 @@ import math
 from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
-from service.protocol import InvalidRequest
+from service.protocol import BadNumber, InvalidRequest, loads_strict
 
 if TYPE_CHECKING:
     from service.async_engine import ServingEngine
@@ -80,25 +80,6 @@ def short_repr(value) -> str:
 # ---- body parsing ---------------------------------------------------------------------------------------------
 
 
-class _BadNumber:
-    """A JSON number Python would read wrongly or not at all (NaN / Infinity literals, floats that overflow to inf,
-    integers of more than _MAX_INT_DIGITS digits): kept as a marker so the error can name the field holding it."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str):
-        self.text = text
-
-
-def _parse_int(text: str):
-    return _BadNumber(text) if len(text) > _MAX_INT_DIGITS else int(text)
-
-
-def _parse_float(text: str):
-    value = float(text)
-    return value if math.isfinite(value) else _BadNumber(text)
-
-
 def parse_body(raw: bytes, charset: str) -> dict:
     """The request body as a JSON object, or InvalidRequest naming what is wrong (and the field, where there is one)."""
     try:
@@ -108,7 +89,7 @@ def parse_body(raw: bytes, charset: str) -> dict:
     except (LookupError, ValueError):  # an unknown codec, or one that is not a text encoding (base64, rot13)
         raise InvalidRequest(f"unknown charset {short_repr(charset)} in Content-Type; send UTF-8 JSON") from None
     try:
-        body = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_BadNumber)
+        body = loads_strict(text, _MAX_INT_DIGITS)
     except RecursionError:
         raise InvalidRequest(f"the body nests JSON deeper than {_MAX_DEPTH} levels") from None
     except ValueError as e:  # json.JSONDecodeError: says where
@@ -127,7 +108,7 @@ def _check_values(body: dict) -> None:
         if isinstance(value, str):
             if not _encodable(value):
                 raise InvalidRequest(f"{_path(path)} contains an unpaired UTF-16 surrogate; strings must be valid Unicode", top)
-        elif isinstance(value, _BadNumber):
+        elif isinstance(value, BadNumber):
             raise InvalidRequest(
                 f"{_path(path)} must be a finite number, integers at most {_MAX_INT_DIGITS} digits "
                 f"(got {value.text[:20]}{'...' if len(value.text) > 20 else ''})",

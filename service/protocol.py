@@ -7,6 +7,7 @@ by, and every rejection names the field. The error classes map onto one gRPC sta
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -155,6 +156,29 @@ def _from_string(name: str, value: str):
     except ValueError:
         pass
     raise InvalidRequest(f"{name}: cannot parse {value!r}", name)
+
+
+class BadNumber:
+    """A JSON number Python would read wrongly or not at all (NaN / Infinity literals, floats that overflow to inf,
+    integers of more than the caller's digit limit): kept as a marker so the error can name the field holding it."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def loads_strict(text: str, max_int_digits: int):
+    """json.loads with every doubtful number (see BadNumber) replaced by a BadNumber marker."""
+
+    def parse_int(t: str):
+        return BadNumber(t) if len(t) > max_int_digits else int(t)
+
+    def parse_float(t: str):
+        value = float(t)
+        return value if math.isfinite(value) else BadNumber(t)
+
+    return json.loads(text, parse_int=parse_int, parse_float=parse_float, parse_constant=BadNumber)
 
 
 def field_of(message: str) -> str | None:
