@@ -18,7 +18,6 @@ Numeric ranges come from jaxserve.sampling_params, whose checks are the ones app
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
