@@ -77,13 +77,14 @@ class Reference:
 
 
 def make_prompts(cfg: SoakConfig) -> list[str]:
-    """`num_prompts` distinct prompts of random length in `prompt_chars` (cut at a space)."""
+    """`num_prompts` distinct prompts, each cut (at a space) to a length drawn uniformly from `prompt_chars`."""
     rng = random.Random(cfg.seed)
     lo, hi = cfg.prompt_chars
     if cfg.prompt_source == "sharegpt":
         from bench.sharegpt import load_conversations
 
-        texts = [p for p, _ in load_conversations() if len(p) >= lo and p.isprintable()]
+        # ASCII only, so that characters bound tokens (~4 per token; code ~3): prompt + max_tokens fits the context.
+        texts = [p for p, _ in load_conversations() if len(p) >= lo and p.isascii()]
         rng.shuffle(texts)
     elif cfg.prompt_source == "synthetic":
         words = "the a cat dog sat ran on in red blue one two three four five stop go up down left right".split()
@@ -91,14 +92,18 @@ def make_prompts(cfg: SoakConfig) -> list[str]:
     else:
         raise ValueError(f"prompt_source must be sharegpt or synthetic (got {cfg.prompt_source!r})")
     out: list[str] = []
-    for text in texts:
-        cut = text[: rng.randint(lo, hi)]
+    pool = iter(texts)
+    while len(out) < cfg.num_prompts:
+        target = rng.randint(lo, hi)
+        text = next((t for t in pool if len(t) >= target), None)
+        if text is None:
+            raise ValueError(f"only {len(out)} prompts of {lo}..{hi} characters in {cfg.prompt_source}; "
+                             "lower num_prompts or the lengths")
+        cut = text[:target]
         cut = cut[: cut.rfind(" ")] if " " in cut[lo // 2 :] else cut
-        if len(cut) >= lo // 2 and cut not in out:
+        if cut.strip() and cut not in out:
             out.append(cut)
-        if len(out) == cfg.num_prompts:
-            return out
-    raise ValueError(f"only {len(out)} prompts of {lo}..{hi} characters in {cfg.prompt_source}; lower num_prompts")
+    return out
 
 
 def make_plan(cfg: SoakConfig, rng: random.Random, n: int, prompts: list[str]) -> Plan:

@@ -196,6 +196,8 @@ class HttpClient:
             res.end("violation", "the stream ended without data: [DONE]")
         elif not finished:
             res.end("violation", "[DONE] without a finish_reason")
+        elif res.finish_reason not in ("length", "stop"):
+            res.end("violation", f"finish_reason {res.finish_reason!r} in a completed stream")
         else:
             res.end("completed")
 
