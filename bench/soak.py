@@ -462,7 +462,7 @@ def report(record: dict) -> str:
           f"{100 * cfg['chaos_fraction']:g}% of requests ended early, {100 * cfg['greedy_fraction']:g}% greedy (checked "
           f"against {s['references']} references sent alone before the load), {len(s['prompt_chars'])} prompts of "
           f"{min(s['prompt_chars'])}-{max(s['prompt_chars'])} characters ({cfg['prompt_source']}), sampled max_tokens "
-          f"1-{cfg['max_output_len']}, greedy max_tokens {cfg['greedy_lengths']}. Load {s['load_s']:.0f} s, then "
+          f"1-{cfg['max_output_len']}, greedy max_tokens {' or '.join(map(str, cfg['greedy_lengths']))}. Load {s['load_s']:.0f} s, then "
           f"{s['tail_s']:.0f} s for the last requests to end.", "",
           checks_table(s), "",
           md_table(["protocol", "sent", "completed", "cancelled", "clean errors", "violations", "greedy compared",
@@ -472,7 +472,7 @@ def report(record: dict) -> str:
           f"Server counters over the load: {srv['admitted']:.0f} admitted, finished by reason "
           f"{ {k: int(v) for k, v in srv['finished_by_reason'].items()} }, {srv['rejected']:.0f} rejected, "
           f"{srv['preemptions']:.0f} preemptions, {srv['generation_tokens']:.0f} tokens generated "
-          f"({srv['generation_tokens'] / max(s['load_s'], 1e-9):.0f} tok/s), n-gram drafts {srv['accepted_tokens']:.0f} / "
+          f"({srv['generation_tokens'] / (s['load_s'] + s['tail_s']):.0f} tok/s over load and tail), n-gram drafts {srv['accepted_tokens']:.0f} / "
           f"{srv['draft_tokens']:.0f} accepted; peak {srv['peak_in_flight']:.0f} requests in flight, "
           f"{srv['mean_running']:.1f} running on average.", ""]
     md += ["Reproduce:", "", f"    {record['command']}", "", machine_line(record["machine"]), ""]
@@ -538,7 +538,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-pages", type=int, default=80, help="KV pages, squeezed so that preemption is constant")
+    ap.add_argument("--num-pages", type=int, default=160, help="KV pages, squeezed so that preemption is constant")
     ap.add_argument("--num-speculative-tokens", type=int, default=4, help="n-gram speculation depth")
     ap.add_argument("--server-arg", action="append", help="one more `jaxserve serve` argument (repeatable)")
     ap.add_argument("--server-timeout", type=float, default=1800, help="s to wait for the server to be healthy")
