@@ -278,13 +278,15 @@ class LLMEngine:
                 req = self.requests.get(w.seq.request_id)
                 if req is None:
                     continue  # a sibling sequence's failure ended the request
-                try:
-                    if len(work) == 1:
-                        raise e
-                    outputs += self._run([w], failed)
-                    ran = True
-                except _RunFailed as alone:
-                    failed.append(self._fail(req, f"the model step raised {alone.cause!r}"))
+                cause = e.cause  # alone in the step: it is the culprit
+                if len(work) > 1:
+                    try:
+                        outputs += self._run([w], failed)
+                        ran = True
+                        continue
+                    except _RunFailed as alone:
+                        cause = alone.cause
+                failed.append(self._fail(req, f"the model step raised {cause!r}"))
             self._failed_runs = 0 if ran else self._failed_runs + 1
             if self._failed_runs >= MAX_FAILED_STEPS:
                 raise EngineDeadError(f"the model step raised in {self._failed_runs} steps in a row: {e.cause!r}") from e

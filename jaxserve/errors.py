@@ -12,6 +12,16 @@
 from __future__ import annotations
 
 
+def short_repr(value) -> str:
+    """repr of a client value for an error message, at most ~60 characters: errors say what was wrong without echoing
+    megabytes back (and a 5000-digit integer, which repr() refuses, is described instead)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    return text if len(text) <= 60 else f"{text[:60]}... ({len(text)} characters)"
+
+
 class RequestFailedError(RuntimeError):
     def __init__(self, request_id: str, reason: str):
         super().__init__(f"request {request_id!r} failed in the engine: {reason}")

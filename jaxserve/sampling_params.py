@@ -11,21 +11,14 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from jaxserve.errors import short_repr
+
 # Bounds every request is checked against (the vocabulary-dependent ones -- top_k, token ids -- in the engine).
 MAX_N = 1024
 MAX_TEMPERATURE = 100.0  # beyond this the distribution is uniform to float32 precision; 1e300 would overflow to inf
 GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as vLLM does
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # a positive logit / 1e-40 overflows to inf
 INT32_MAX = 2**31 - 1
-
-
-def _short(v) -> str:
-    """A value for an error message: at most 60 characters (a 5000-digit int cannot even be repr()'d)."""
-    try:
-        text = repr(v)
-    except ValueError:
-        return f"an integer of about {int(v.bit_length() * 0.30103)} digits"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass
@@ -64,19 +57,19 @@ class SamplingParams:
             rng = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}" if lo is not None else ""
             ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
             ok = ok and (lo is None or v >= lo) and (hi is None or v <= hi)
-            check(ok, f"{name} must be an integer{rng} (got {_short(v)})")
+            check(ok, f"{name} must be an integer{rng} (got {short_repr(v)})")
             setattr(self, name, int(v))
 
         def real(name: str, lo: float, hi: float, *, open_lo: bool = False) -> None:
             v = getattr(self, name)
             ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
             ok = ok and (v > lo if open_lo else v >= lo) and v <= hi
-            check(ok, f"{name} must be in {'(' if open_lo else '['}{lo:g}, {hi:g}] (got {_short(v)})")
+            check(ok, f"{name} must be in {'(' if open_lo else '['}{lo:g}, {hi:g}] (got {short_repr(v)})")
             setattr(self, name, float(v))
 
         def boolean(name: str) -> None:
             v = getattr(self, name)
-            check(isinstance(v, bool), f"{name} must be a boolean (got {_short(v)})")
+            check(isinstance(v, bool), f"{name} must be a boolean (got {short_repr(v)})")
 
         integer("n", 1, MAX_N)
         real("temperature", 0.0, MAX_TEMPERATURE)
@@ -86,7 +79,7 @@ class SamplingParams:
         v = self.top_k
         check(
             isinstance(v, numbers.Integral) and not isinstance(v, bool) and (v >= 0 or v == -1) and v <= INT32_MAX,
-            f"top_k must be -1, 0 (disabled) or a positive integer <= the vocabulary size (got {_short(v)})",
+            f"top_k must be -1, 0 (disabled) or a positive integer <= the vocabulary size (got {short_repr(v)})",
         )
         self.top_k = 0 if v == -1 else int(v)
         real("min_p", 0.0, 1.0)
@@ -108,14 +101,14 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         check(
             isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops),
-            f"stop must be a non-empty string or a list of them (got {_short(self.stop)})",
+            f"stop must be a non-empty string or a list of them (got {short_repr(self.stop)})",
         )
         self._stop_list = list(stops)
         ids = self.stop_token_ids or []
         check(
             isinstance(ids, (list, tuple))
             and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in ids),
-            f"stop_token_ids must be a list of token ids >= 0 (got {_short(self.stop_token_ids)})",
+            f"stop_token_ids must be a list of token ids >= 0 (got {short_repr(self.stop_token_ids)})",
         )
         self.stop_token_ids = [int(t) for t in ids]
 

@@ -39,6 +39,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 import jaxserve
 from jaxserve import SamplingParams
+from jaxserve.errors import short_repr as short
 from service.async_engine import ServingEngine
 from service.proto import jaxserve_v1_pb2 as pb
 from service.proto import jaxserve_v1_pb2_grpc as pb_grpc
@@ -54,12 +55,6 @@ _MAX_DETAILS = 1000  # characters of status details (and in-band error messages)
 
 
 # ---- shared by both servicers (service/kserve.py imports these) ------------------------------------------------
-
-
-def short(value) -> str:
-    """repr of a client value, shortened: error messages quote what was wrong without echoing megabytes."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def status_details(message: str) -> str:

@@ -38,6 +38,7 @@ from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxserve import SamplingParams
+from jaxserve.errors import short_repr
 from service.async_engine import ServingEngine
 from service.openapi import (
     CHAT_FIELDS,
@@ -48,7 +49,6 @@ from service.openapi import (
     UNSUPPORTED_COMPLETIONS,
     openapi_schema,
     parse_body,
-    short_repr,
 )
 from service.protocol import InvalidRequest, ModelNotFound, ServiceError, check_prompt
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from jaxserve.errors import short_repr
 from jaxserve.sampling_params import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
 from service.protocol import BadNumber, InvalidRequest, loads_strict
 
@@ -69,11 +70,6 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "allow_special_tokens_in_content",
     *UNSUPPORTED_CHAT,
 }
-
-
-def short_repr(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:60] + "..."
 
 
 # ---- body parsing ---------------------------------------------------------------------------------------------
