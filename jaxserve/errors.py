@@ -1,7 +1,8 @@
 """Errors the engine raises to its callers, by kind, so a server maps them to statuses by type, never by text.
 
-- `ValueError` / `TypeError` (raised by `SamplingParams` and `LLMEngine.add_request`): the request is invalid; it
-  was never admitted and nothing else is affected.
+- `InvalidRequestError`, a `ValueError` (raised by `SamplingParams` and `LLMEngine.add_request`): the request is
+  invalid; it was never admitted and nothing else is affected. `param` names the offending field (`prompt`,
+  `top_k`, ...) and `kind` says what is wrong with it, so a server reports both without reading the message.
 - `RequestFailedError`: an admitted request failed inside a step (its logits turned NaN, its host-side processing
   raised). The engine removed it and freed its pages; every other request goes on.
 - `EngineDeadError`: the engine loop stopped on a failure it cannot attribute to one request (the device step
@@ -20,6 +21,20 @@ def short_repr(value) -> str:
     except ValueError:
         return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
     return text if len(text) <= 60 else f"{text[:60]}... ({len(text)} characters)"
+
+
+class InvalidRequestError(ValueError):
+    """A request rejected before admission. `param`: the field at fault (a `SamplingParams` field name, `prompt`,
+    `request_id`, `priority`), or None when no single field is; `kind`: one of `KINDS`."""
+
+    KINDS = ("type", "range", "empty", "too_long", "conflict", "duplicate", "unsupported")
+
+    def __init__(self, message: str, param: str | None = None, kind: str = "range"):
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown error kind {kind!r}; one of {self.KINDS}")
+        super().__init__(message)
+        self.param = param
+        self.kind = kind
 
 
 class RequestFailedError(RuntimeError):
