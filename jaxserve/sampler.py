@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import ops
 from jaxserve.model.layers import argmax
-from pallas_kernels import spec_verify
 
 MAX_BANNED = 16  # EOS + stop_token_ids suppressed under min_tokens, per row
 
@@ -153,7 +153,7 @@ def sample(
         def verify(scaled, seeds):
             uniform = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(seeds)
             gumbel = jax.vmap(gumbel_row)(seeds)
-            return spec_verify.verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, gumbel)
+            return ops.verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, gumbel)
 
         def verify_greedy(scaled, seeds):
             return greedy, (draft_ids >= 0) & (greedy == draft_ids)
