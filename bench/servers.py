@@ -84,7 +84,7 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
     url = f"http://127.0.0.1:{port}"
     if name == "jaxserve":
         grpc_port = free_port()
-        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--http-port", str(port), "--grpc-port", str(grpc_port),
+        cmd = [sys.executable, "-m", "service", "serve", "--http-port", str(port), "--grpc-port", str(grpc_port),
                "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                "--served-model-name", "smollm2", *jaxserve_args]
         proc, why = _launch(name, cmd, {}, log_dir, url + "/health", timeout_s)

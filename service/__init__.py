@@ -5,5 +5,6 @@
     service.kserve        inference.GRPCInferenceService (KServe v2 with Triton's LLM tensor conventions)
     service.http_server   /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
     service.server        both servers on one event loop; `jaxserve serve` runs service.server.serve
+    service.cli           the `jaxserve` command: jaxserve.cli's `generate` plus `serve` (`python -m service serve`)
     service.proto         .proto sources and the stubs scripts/gen_protos.sh generates from them
 """

@@ -1,4 +1,5 @@
-"""`jaxserve serve` as a process: SIGTERM drains without losing an accepted request and exits 0; TLS + API key."""
+"""`jaxserve serve` as a process: SIGTERM drains without losing an accepted request and exits 0; TLS + API key.
+And the command line itself (service/cli.py): engine options from the YAML and the flags, both subcommands."""
 
 import asyncio
 import json
@@ -27,7 +28,7 @@ def path(tmp_path_factory):
 
 def _launch(path, *extra):
     cmd = [
-        sys.executable, "-m", "jaxserve.cli", "serve", "--model", path, "--served-model-name", "tiny",
+        sys.executable, "-m", "service", "serve", "--model", path, "--served-model-name", "tiny",
         "--grpc-port", "0", "--http-port", "0", "--no-precompile", "--max-model-len", "256", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "32", "--num-pages", "80", "--config", "configs/engine/cpu-default.yaml", *extra,
     ]  # fmt: skip
@@ -134,3 +135,59 @@ def test_tls_and_api_key(path, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert code == 0, out
+
+
+# ---- the command line itself (no server) ----------------------------------------------------------------------
+
+
+def _serve_args(*argv):
+    from jaxserve.cli import build_parser
+    from service.cli import add_serve_parser
+
+    parser, sub = build_parser()
+    s = add_serve_parser(sub)
+    return parser.parse_args(["serve", *argv]), s
+
+
+def test_engine_options_flags_override_the_config_yaml():
+    from service.cli import engine_config_from
+
+    args, s = _serve_args("--config", "configs/engine/cpu-small-memory.yaml", "--max-num-batched-tokens", "64",
+                          "--max-num-seqs", "16")  # fmt: skip
+    cfg = engine_config_from(args, s)
+    assert (cfg.max_model_len, cfg.num_pages, cfg.max_num_batched_tokens) == (1024, 65, 64), "YAML, then flags"
+    assert cfg.max_num_seqs == 8, "a flag left at its parser default does not override the YAML"
+    assert cfg.token_buckets[-1] == 64, "buckets the YAML left to be derived follow the flags' budget"
+    assert cfg.precompile, "servers precompile unless told not to"
+    assert not engine_config_from(*_serve_args("--no-precompile")).precompile
+
+
+def test_engine_options_keep_what_the_yaml_sets(tmp_path):
+    from service.cli import engine_config_from
+
+    yaml_path = tmp_path / "engine.yaml"
+    yaml_path.write_text("max_num_batched_tokens: 64\ntoken_buckets: [16, 64]\nprecompile: false\nmax_logprobs: 5\n")
+    cfg = engine_config_from(*_serve_args("--config", str(yaml_path), "--max-model-len", "512"))
+    assert (cfg.token_buckets, cfg.precompile, cfg.max_logprobs, cfg.max_model_len) == ((16, 64), False, 5, 512)
+
+
+@pytest.mark.parametrize("text,match", [("max_num_seq: 4\n", "unknown engine option"), ("- 1\n", "expected a mapping")])
+def test_a_bad_config_yaml_is_named(tmp_path, capsys, text, match):
+    from service.cli import main
+
+    yaml_path = tmp_path / "bad.yaml"
+    yaml_path.write_text(text)
+    assert main(["serve", "--config", str(yaml_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(yaml_path) in err and match in err
+
+
+def test_the_console_script_has_both_subcommands():
+    from service.cli import main
+
+    for command in ("serve", "generate"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "python -m service serve" in out.stdout, "the engine-only CLI points to serve"

@@ -327,7 +327,7 @@ def test_slow_reader_skips_to_the_newest_output(server):
 
 
 def test_api_key_from_the_environment(capsys):
-    from jaxserve.cli import api_key_from
+    from service.cli import api_key_from
 
     assert api_key_from(None, {"JAXSERVE_API_KEY": "env-key"}) == "env-key"
     assert api_key_from(None, {"JAXSERVE_API_KEY": ""}) is None and api_key_from(None, {}) is None
