@@ -72,7 +72,7 @@ def make_requests(args) -> list[LoadRequest]:
             text = tok.decode(ids)
             out.append(LoadRequest(text, len(tok.encode(text, add_special_tokens=False)), args.random_output_len))
         return out
-    from bench.sharegpt import sample_requests
+    from jaxserve.datasets.sharegpt import sample_requests
 
     reqs = sample_requests(tok, args.num_prompts, seed=args.seed, max_total_len=args.max_model_len)
     return [LoadRequest(r.prompt, len(r.prompt_token_ids), min(r.output_len, args.max_output_len)) for r in reqs]

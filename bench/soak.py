@@ -81,7 +81,7 @@ def make_prompts(cfg: SoakConfig) -> list[str]:
     rng = random.Random(cfg.seed)
     lo, hi = cfg.prompt_chars
     if cfg.prompt_source == "sharegpt":
-        from bench.sharegpt import load_conversations
+        from jaxserve.datasets.sharegpt import load_conversations
 
         # ASCII only, so that characters bound tokens (~4 per token; code ~3): prompt + max_tokens fits the context.
         texts = [p for p, _ in load_conversations() if len(p) >= lo and p.isascii()]

