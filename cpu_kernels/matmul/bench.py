@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import OUT_DIR, machine_info, machine_line, md_table, time_calls, write_outputs
 from cpu_kernels import matmul as native
+from cpu_kernels.bench_util import OUT_DIR, machine_info, machine_line, md_table, time_calls, write_outputs
 
 NUM_LAYERS = 30
 # (name, K, N)

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import OUT_DIR, machine_info, machine_line, md_table, time_calls, write_outputs
 from cpu_kernels import ragged_paged_attention as native
+from cpu_kernels.bench_util import OUT_DIR, machine_info, machine_line, md_table, time_calls, write_outputs
 from pallas_kernels.ragged_paged_attention import reference
 
 NUM_LAYERS = 30
