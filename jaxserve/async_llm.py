@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import LLMEngine, PromptType
 from jaxserve.errors import EngineDeadError, RequestFailedError
 from jaxserve.outputs import RequestOutput
@@ -79,9 +79,31 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
+    # ---- model and engine facts (fixed at construction; safe to read from any thread) ---------------------------
+    # vLLM's AsyncLLM names: `model_config` / `tokenizer` attributes and their coroutine getters.
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.engine.config
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.model_config
+
+    async def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_stats(self) -> dict[str, float | list[int]]:
+        """LLMEngine.get_stats(): a read-only snapshot of the engine's counters, the one engine call that is safe
+        outside the engine thread."""
+        return self.engine.get_stats()
 
     @property
     def is_running(self) -> bool:

@@ -193,11 +193,11 @@ class ServingEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.llm.engine.model_config.vocab_size
+        return self.llm.model_config.vocab_size
 
     @property
     def max_model_len(self) -> int:
-        return self.llm.engine.config.max_model_len
+        return self.llm.engine_config.max_model_len
 
     @property
     def num_in_flight(self) -> int:
@@ -255,7 +255,7 @@ class ServingEngine:
         return prompt
 
     def stats(self) -> dict:
-        s = dict(self.llm.engine.get_stats())
+        s = dict(self.llm.get_stats())
         s["num_requests_in_flight"] = len(self._in_flight)
         return s
 
@@ -272,7 +272,7 @@ class ServingEngine:
     def evaluate_readiness(self) -> bool:
         """Recompute readiness now (see the module docstring) and notify listeners if it changed."""
         now = time.monotonic()
-        steps = self.llm.engine.get_stats()["num_steps"]
+        steps = self.llm.get_stats()["num_steps"]
         if steps != self._last_steps or not self._in_flight:
             self._last_steps, self._last_progress = steps, now
         stalled = now - self._last_progress > self.stall_timeout_s

@@ -157,14 +157,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         s = self.serving
-        eng = s.llm.engine
+        model = s.llm.model_config
         return pb.ModelInfo(
             model_name=s.model_name,
-            architecture=eng.model_config.architecture,
+            architecture=model.architecture,
             vocab_size=s.vocab_size,
             max_model_len=s.max_model_len,
-            eos_token_ids=list(eng.model_config.eos_token_ids),
-            max_logprobs=eng.config.max_logprobs,
+            eos_token_ids=list(model.eos_token_ids),
+            max_logprobs=s.llm.engine_config.max_logprobs,
             has_tokenizer=s.tokenizer is not None,
         )
 

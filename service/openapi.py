@@ -241,7 +241,7 @@ def _completion_request(serving: "ServingEngine") -> dict:
                 {"type": "array", "minItems": 1, "maxItems": lim.max_prompts, "items": ids},
             ]
         },
-        "logprobs": _nullable(_int(0, serving.llm.engine.config.max_logprobs)),
+        "logprobs": _nullable(_int(0, serving.llm.engine_config.max_logprobs)),
         "echo": {"type": "boolean", "enum": [False], "description": "not supported"},
         "suffix": _nullable({"type": "string", "maxLength": 0, "description": "not supported"}),
         "best_of": _nullable(_int(1, 1, description="not supported beyond 1")),
@@ -271,7 +271,7 @@ def _chat_request(serving: "ServingEngine") -> dict:
         "messages": {"type": "array", "minItems": 1, "items": message},
         "max_completion_tokens": _request_fields(serving)["max_tokens"],
         "logprobs": _nullable({"type": "boolean"}),
-        "top_logprobs": _nullable(_int(0, serving.llm.engine.config.max_logprobs, description="needs logprobs: true")),
+        "top_logprobs": _nullable(_int(0, serving.llm.engine_config.max_logprobs, description="needs logprobs: true")),
         "parallel_tool_calls": _nullable({"type": "boolean"}),
         "tools": {"type": "array", "maxItems": 0, "description": "not supported"},
         "tool_choice": {"type": "string", "enum": ["none"]},

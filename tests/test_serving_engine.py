@@ -75,3 +75,12 @@ def test_request_id_is_bounded(serving):
     with pytest.raises(InvalidRequest, match="longer than 32") as e:
         asyncio.run(_run(serving, "hi", SamplingParams(max_tokens=2), rid="x" * 33))
     assert e.value.param == "request_id" and serving.num_in_flight == 0
+
+
+def test_model_facts_come_from_the_public_async_llm_api(serving):
+    llm = serving.llm
+    assert serving.vocab_size == llm.model_config.vocab_size
+    assert serving.max_model_len == llm.engine_config.max_model_len
+    assert asyncio.run(llm.get_model_config()) is llm.model_config
+    assert asyncio.run(llm.get_tokenizer()) is llm.tokenizer is serving.tokenizer
+    assert llm.get_stats()["num_steps"] == serving.stats()["num_steps"]
