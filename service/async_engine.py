@@ -25,7 +25,8 @@ Readiness (health): the engine thread is alive, the server is not draining, and 
 Drain (SIGTERM): stop admitting, let in-flight requests finish up to a grace period, abort the rest.
 Prompts: text is tokenized here, in a worker thread (never on the event loop: a 1M-character prompt takes ~1 s),
 after the character limit, so that prompt + max_tokens is checked against max_model_len before admission.
-Errors map by type (jaxserve.errors): ValueError / TypeError from the engine -> InvalidRequest; a request failed
+Errors map by type (jaxserve.errors): InvalidRequestError from the engine -> InvalidRequest naming its `param`
+(a plain ValueError / TypeError, or one without a param -> InvalidRequest naming the prompt); a request failed
 inside a step -> ServiceError (500) for that request only; a dead engine -> ServiceError for the requests it held,
 Unavailable for new ones (and `jaxserve serve` exits non-zero).
 """
@@ -51,7 +52,7 @@ from service.protocol import (
     ServiceError,
     ServingLimits,
     Unavailable,
-    field_of,
+    invalid_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -345,7 +346,7 @@ class ServingEngine:
             if last is not None:
                 raise
             self.m_rejected.labels("invalid").inc()
-            raise InvalidRequest(str(e), field_of(str(e)) or "prompt") from None
+            raise invalid_request(e, "prompt") from None
         except RequestFailedError as e:
             raise ServiceError(f"the request failed in the engine: {e.reason}") from None
         except EngineDeadError as e:

@@ -43,7 +43,14 @@ from jaxserve.errors import short_repr as short
 from service.async_engine import ServingEngine
 from service.proto import jaxserve_v1_pb2 as pb
 from service.proto import jaxserve_v1_pb2_grpc as pb_grpc
-from service.protocol import DuplicateRequest, InvalidRequest, ServiceError, ServingLimits, check_prompt, field_of
+from service.protocol import (
+    DuplicateRequest,
+    InvalidRequest,
+    ServiceError,
+    ServingLimits,
+    check_prompt,
+    invalid_request,
+)
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
@@ -77,14 +84,14 @@ def build_params(
     serving: ServingEngine, fields: dict, *, coerce_strings: bool = False, param: str = "sampling_params"
 ) -> SamplingParams:
     """serving.build_params, with any ValueError / TypeError / OverflowError (request data that slipped past the
-    field checks) turned into InvalidRequest naming the field, else `param`: a request's own values are never the
-    server's fault."""
+    field checks) turned into InvalidRequest naming the field (an InvalidRequestError's `param`), else `param`: a
+    request's own values are never the server's fault."""
     try:
         return serving.build_params(fields, coerce_strings=coerce_strings)
     except ServiceError:
         raise
     except (ValueError, TypeError, OverflowError) as e:
-        raise InvalidRequest(f"{param}: {e}", field_of(str(e)) or param) from None
+        raise invalid_request(e, param, prefix=f"{param}: ") from None
 
 
 # ---- jaxserve.v1 ----------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 Each protocol (jaxserve.v1 gRPC, KServe v2, OpenAI HTTP) turns its request into a plain dict of vLLM-named
 sampling fields and calls `build_sampling_params`, so a field is checked the same way whichever door it came in
 by, and every rejection names the field. The error classes map onto one gRPC status and one HTTP status each.
+Engine errors map by type, never by message text: `invalid_request(e, default)` turns a jaxserve
+`InvalidRequestError` into InvalidRequest naming its `param`, and any other ValueError / TypeError (older paths
+that raise them plain) into one naming `default`, the field the caller handed over.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from jaxserve import SamplingParams
+from jaxserve.errors import InvalidRequestError
 
 
 class ServiceError(Exception):
@@ -31,6 +35,13 @@ class InvalidRequest(ServiceError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 400
     error_type = "invalid_request_error"
+
+
+def invalid_request(error: Exception, default: str | None, prefix: str = "") -> InvalidRequest:
+    """InvalidRequest for a request error the engine raised: its `param` if it is an InvalidRequestError that names
+    one, else `default`. `prefix` goes before the message (e.g. "sampling_parameters: ")."""
+    param = error.param if isinstance(error, InvalidRequestError) and error.param is not None else default
+    return InvalidRequest(f"{prefix}{error}", param)
 
 
 class ModelNotFound(ServiceError):
@@ -131,8 +142,8 @@ def build_sampling_params(
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
     try:
         params = SamplingParams(**kw)
-    except ValueError as e:  # SamplingParams' own checks: their messages start with the field name
-        raise InvalidRequest(str(e), field_of(str(e))) from None
+    except ValueError as e:  # SamplingParams' own checks: InvalidRequestError naming the field
+        raise invalid_request(e, None) from None
     if params.top_k > vocab_size:
         raise InvalidRequest(f"top_k must be <= the vocabulary size {vocab_size} (got {params.top_k}); 0 or -1 = all", "top_k")
     return params
@@ -179,11 +190,6 @@ def loads_strict(text: str, max_int_digits: int):
         return value if math.isfinite(value) else BadNumber(t)
 
     return json.loads(text, parse_int=parse_int, parse_float=parse_float, parse_constant=BadNumber)
-
-
-def field_of(message: str) -> str | None:
-    first = message.split(" ", 1)[0].strip(":")
-    return first if first in FIELDS or first == "prompt" else None
 
 
 def check_prompt(prompt, limits: ServingLimits, vocab_size: int, param: str = "prompt"):

@@ -13,12 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.errors import InvalidRequestError
 from service_fixtures import make_tiny_model_with_tokenizer
 
 V = 300  # the tiny model's vocabulary
 MAX_LEN = 64
 KNOWN = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 NAN, INF = math.nan, math.inf
+# A prompt of the wrong type: TypeError from older engines, InvalidRequestError(kind="type") (a ValueError) now.
+WRONG_TYPE = (TypeError, InvalidRequestError)
 
 # (SamplingParams kwargs, the text the error must contain)
 BAD_PARAMS = [
@@ -99,10 +102,10 @@ BAD_REQUESTS = [
     ({"prompt_token_ids": [1.5, 2]}, {}, {}, ValueError, "list of integers"),
     ({"prompt_token_ids": [None]}, {}, {}, ValueError, "list of integers"),
     ({"text": "x"}, {}, {}, ValueError, "needs 'prompt_token_ids' or 'prompt'"),
-    ({"prompt": 5}, {}, {}, TypeError, "prompt must be a string"),
-    (5, {}, {}, TypeError, "prompt must be a string"),
-    (None, {}, {}, TypeError, "prompt must be a string"),
-    (b"bytes", {}, {}, TypeError, "prompt must be a string"),
+    ({"prompt": 5}, {}, {}, WRONG_TYPE, "prompt must be a string"),
+    (5, {}, {}, WRONG_TYPE, "prompt must be a string"),
+    (None, {}, {}, WRONG_TYPE, "prompt must be a string"),
+    (b"bytes", {}, {}, WRONG_TYPE, "prompt must be a string"),
     ("hello", {}, dict(priority="high"), ValueError, "priority must be an integer"),
     ("hello", {}, dict(priority=True), ValueError, "priority must be an integer"),
     ("hello", {}, dict(priority=1.5), ValueError, "priority must be an integer"),
@@ -147,8 +150,10 @@ def test_bad_sampling_params(llm, known, kwargs, match):
 )
 def test_bad_requests(llm, known, prompt, kwargs, add_kw, exc, match):
     eng = llm.llm_engine
-    with pytest.raises(exc, match=match):
+    with pytest.raises(exc, match=match) as e:
         eng.add_request("bad", prompt, SamplingParams(**kwargs), **add_kw)
+    if isinstance(e.value, InvalidRequestError):
+        assert e.value.param is not None, f"the engine names the field at fault: {e.value}"
     assert "bad" not in eng.requests
     # ... and the same through LLM.generate, beside a good prompt: nothing of the batch starts
     if not add_kw:

@@ -1,5 +1,6 @@
 """ServingEngine's own admission: text is tokenized off the event loop, prompt + max_tokens must fit the context
-(never silently capped), a request needing more in-flight slots than are free is refused whole, ids are bounded."""
+(never silently capped), a request needing more in-flight slots than are free is refused whole, ids are bounded;
+engine rejections map to InvalidRequest by type and `param`, never by their text."""
 
 import asyncio
 import threading
@@ -8,6 +9,7 @@ import pytest
 
 from jaxserve import AsyncLLM, SamplingParams
 from jaxserve.config import EngineConfig
+from jaxserve.errors import InvalidRequestError
 from service.async_engine import ServingEngine
 from service.protocol import InvalidRequest, Overloaded, ServingLimits
 from service_fixtures import make_tiny_model_with_tokenizer
@@ -75,6 +77,26 @@ def test_request_id_is_bounded(serving):
     with pytest.raises(InvalidRequest, match="longer than 32") as e:
         asyncio.run(_run(serving, "hi", SamplingParams(max_tokens=2), rid="x" * 33))
     assert e.value.param == "request_id" and serving.num_in_flight == 0
+
+
+@pytest.mark.parametrize(
+    "error,param",
+    [
+        (InvalidRequestError("priority must be an integer (got 'x')", param="priority", kind="type"), "priority"),
+        (InvalidRequestError("stop_token_ids must be in [0, 50)", param="stop_token_ids"), "stop_token_ids"),
+        (InvalidRequestError("no single field is at fault", param=None), "prompt"),
+        (ValueError("top_k must be <= the vocabulary size"), "prompt"),  # plain: never read for a field name
+        (TypeError("prompt must be a string"), "prompt"),
+    ],
+)
+def test_engine_rejections_map_by_type_not_text(serving, monkeypatch, error, param):
+    def add_request(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(serving.llm.engine, "add_request", add_request)
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(_run(serving, {"prompt_token_ids": [3, 4]}, SamplingParams(max_tokens=2)))
+    assert (e.value.param, e.value.message) == (param, str(error)) and serving.num_in_flight == 0
 
 
 def test_model_facts_come_from_the_public_async_llm_api(serving):
