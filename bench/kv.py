@@ -39,7 +39,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def capacity(model_cfg, budget_bytes: int, kv_cache_dtype: str, page_size: int, contexts: list[int]) -> dict:
     """Pages, tokens and concurrent full-context sequences the budget holds for one jaxserve KV dtype."""
     from jaxserve.config import EngineConfig, kv_storage_dtype
-    from jaxserve.engine import resolve_num_pages
+    from jaxserve.factory import resolve_num_pages
     from jaxserve.kv_cache import kv_cache_bytes
 
     storage = kv_storage_dtype(kv_cache_dtype, "float32")

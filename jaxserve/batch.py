@@ -15,8 +15,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import jax
 import numpy as np
+
+if TYPE_CHECKING:  # batch.py stays below the sampler and the kernel door in the import order
+    from jaxserve.sampler import SamplingInputs
 
 
 @jax.tree_util.register_dataclass
@@ -30,6 +35,18 @@ class StepInputs:
     cu_q_lens: jax.Array  # i32[S+1]
     num_seqs: jax.Array  # i32[]
     logits_indices: jax.Array  # i32[R]  token whose logits each sampling row needs
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    """Everything one target step sends to the device, as one pytree: the runner packs it into one buffer
+    (`packing.Layout.of` derives the layout from these fields) and the step function unpacks the same dataclass."""
+
+    inputs: StepInputs
+    sampling: SamplingInputs  # one row per sampling row (R)
+    draft_ids: jax.Array | None = None  # i32[R]  the draft each verify row checks, NO_DRAFT elsewhere (speculation)
+    prompt_targets: jax.Array | None = None  # i32[T]  next prompt token per position, -1 = none (prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -87,7 +104,14 @@ def row_offsets(seqs: list[ScheduledSeq]) -> list[int]:
     return out
 
 
-def build_step_inputs(seqs: list[ScheduledSeq], bucket: Bucket, page_size: int) -> dict[str, np.ndarray]:
+def slot_of(pages, positions, page_size: int):
+    """KV slot of each position: `pages[i]` is the page holding `positions[i]` (the sequence's page
+    `positions[i] // page_size`). numpy or traced arrays alike: the host's step build and the EAGLE-3 head's draft
+    passes address the cache through this one formula (kv_cache.py inverts it)."""
+    return pages * page_size + positions % page_size
+
+
+def build_step_inputs(seqs: list[ScheduledSeq], bucket: Bucket, page_size: int) -> StepInputs:
     """Host numpy arrays for one step, padded to `bucket` (the runner does the single device transfer)."""
     T, S, max_pages = bucket.num_tokens, bucket.num_seqs, bucket.max_pages
     if len(seqs) > S:
@@ -109,7 +133,7 @@ def build_step_inputs(seqs: list[ScheduledSeq], bucket: Bucket, page_size: int) 
         pages = np.asarray(sq.page_ids, np.int32)
         token_ids[t : t + n] = sq.token_ids
         positions[t : t + n] = pos
-        slot_mapping[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
+        slot_mapping[t : t + n] = slot_of(pages[pos // page_size], pos, page_size)
         block_tables[s, : len(pages)] = pages
         seq_lens[s] = sq.start + n
         t += n
@@ -118,7 +142,7 @@ def build_step_inputs(seqs: list[ScheduledSeq], bucket: Bucket, page_size: int) 
     if t > T:
         raise ValueError(f"{t} tokens exceed the bucket's {T}")
     cu_q_lens[len(seqs) + 1 :] = t
-    return dict(
+    return StepInputs(
         token_ids=token_ids,
         positions=positions,
         slot_mapping=slot_mapping,

@@ -1,13 +1,13 @@
 """ModelRunner: owns the device weights and the KV cache; the only module that transfers, compiles and fetches.
 
-One step = one host->device transfer of the padded inputs (packed into one buffer, `packing.py`), one call of the executable compiled for that bucket
-(KV cache donated, so it is updated in place), one fetch of the sampled tokens. Executables are compiled ahead of
+One step = one host->device transfer of the padded `StepBatch` (packed into one buffer, `packing.py`), one call of
+the executable compiled for that bucket (KV cache donated, so it is updated in place), one fetch of the sampled
+tokens. Executables are compiled ahead of
 time per bucket (`warmup`) or on first use, and counted, so tests can prove steady state never recompiles.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import matmul as cpu_matmul
-from jaxserve.batch import Bucket, StepInputs, choose_bucket
+from jaxserve.batch import Bucket, StepBatch, build_step_inputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import KVCache, init_kv_cache, kv_cache_bytes
 from jaxserve.model.llama import Weights, compute_logits, forward, pack_linear_weights, unstack_layers
-from jaxserve.packing import Layout, as_float, pack_outputs
-from jaxserve.sampler import SamplerOutput, SamplingInputs, sample
+from jaxserve.packing import Layout, RowLayout
+from jaxserve.sampler import PromptLogprobs, SamplerOutput, SamplingInputs, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -66,74 +66,41 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def prompt_logprobs(logits: jax.Array, targets: jax.Array, max_logprobs: int) -> jax.Array:
-    """Log-probabilities of each token's *next* prompt token. logits: f32[T, V], targets: i32[T] (-1 = none)
-    -> packed i32[T, 2 + 2k]: rank, top ids (k), then bit-cast floats: logprob, top logprobs (k)."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=-1)
-    if max_logprobs:
-        top_logprobs, top_ids = jax.lax.top_k(logp, max_logprobs)
-    else:
-        top_logprobs, top_ids = jnp.zeros((logits.shape[0], 0), jnp.float32), jnp.zeros((logits.shape[0], 0), jnp.int32)
-    ranks = 1 + jnp.sum(logp > chosen, axis=-1)
-    return pack_outputs([ranks, top_ids], [chosen, top_logprobs])
-
-
-def _pack_sampled(s: SamplerOutput) -> jax.Array:
-    """-> i32[R, 3 + 2k]: token, rank, flags (bit 0 accepted, bit 1 non-finite logits), top ids (k), then bit-cast
-    floats: logprob, top logprobs (k)."""
-    flags = s.accepted.astype(jnp.int32) | (s.nonfinite.astype(jnp.int32) << 1)
-    return pack_outputs([s.token_ids, s.ranks, flags, s.top_ids], [s.logprobs, s.top_logprobs])
-
-
-def unpack_sampled(a: np.ndarray, k: int) -> dict[str, np.ndarray]:
-    return dict(
-        token_ids=a[:, 0],
-        ranks=a[:, 1],
-        accepted=(a[:, 2] & 1).astype(bool),
-        nonfinite=(a[:, 2] & 2).astype(bool),
-        top_ids=a[:, 3 : 3 + k],
-        logprobs=as_float(a[:, 3 + k]),
-        top_logprobs=as_float(a[:, 4 + k : 4 + 2 * k]),
-    )
-
-
-def unpack_prompt_logprobs(a: np.ndarray, k: int) -> dict[str, np.ndarray]:
-    return dict(ranks=a[:, 0], top_ids=a[:, 1 : 1 + k], logprobs=as_float(a[:, 1 + k]), top_logprobs=as_float(a[:, 2 + k :]))
-
-
-_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs))
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingInputs))
-
-
 def step_fn(
     model_cfg: ModelConfig,
     max_logprobs: int,
     weights: Weights,
     kv: KVCache,
-    packed: jax.Array,  # i32[*]  StepInputs + SamplingInputs (+ prompt_targets), see `layout`
+    packed: jax.Array,  # i32[*]  a StepBatch, see `layout`
     *,
     layout: Layout,
+    rows: RowLayout,
+    prompt_rows: RowLayout,
     hidden_layer_ids: tuple[int, ...] = (),
 ):
-    """-> ((sampled, prompt logprobs | None), kv), or with `hidden_layer_ids` ((sampled, prompt logprobs | None,
-    aux f[T, len(ids) * D]), kv): the residual streams entering those layers, concatenated per token (EAGLE-3)."""
-    a = layout.unpack(packed)
-    inputs = StepInputs(**{k: a[k] for k in _STEP_FIELDS})
-    sampling = SamplingInputs(**{k: a[k] for k in _SAMPLING_FIELDS})
+    """-> ((sampled i32[R, C], prompt logprobs i32[T, C'] | None), kv), or with `hidden_layer_ids`
+    ((sampled, prompt logprobs | None, aux f[T, len(ids) * D]), kv): the residual streams entering those layers,
+    concatenated per token (EAGLE-3). Outputs travel packed (`rows`, `prompt_rows`): one fetch."""
+    batch: StepBatch = layout.unpack(packed)
+    inputs = batch.inputs
     h, kv, hidden = forward(model_cfg, weights, kv, inputs, hidden_layer_ids=hidden_layer_ids)
-    draft_ids = a.get("draft_ids")  # i32[R] speculative verify rows (engines with speculation only)
-    if "prompt_targets" not in a:
+    if batch.prompt_targets is None:
         logits = compute_logits(weights, h[inputs.logits_indices])
-        out = (_pack_sampled(sample(logits, sampling, max_logprobs=max_logprobs, draft_ids=draft_ids)), None)
+        sampled = sample(logits, batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids)
+        out = (rows.pack(sampled), None)
     else:
         all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
-        sampled = sample(all_logits[inputs.logits_indices], sampling, max_logprobs=max_logprobs, draft_ids=draft_ids)
-        out = (_pack_sampled(sampled), prompt_logprobs(all_logits, a["prompt_targets"], max_logprobs))
+        sampled = sample(all_logits[inputs.logits_indices], batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids)
+        lp = prompt_logprobs(all_logits, batch.prompt_targets, max_logprobs=max_logprobs)
+        out = (rows.pack(sampled), prompt_rows.pack(lp))
     if hidden_layer_ids:
         T = hidden.shape[1]
         out += (jnp.transpose(hidden, (1, 0, 2)).reshape(T, -1),)
     return out, kv
+
+
+def _structs(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
 class ModelRunner:
@@ -172,8 +139,12 @@ class ModelRunner:
             kv_cache_bytes(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype) / 2**20,
         )
         self.kv = init_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype)
+        self.rows, self.prompt_rows = self._output_layouts()
         self._jitted = jax.jit(
-            functools.partial(step_fn, model_cfg, engine_cfg.max_logprobs, hidden_layer_ids=self.hidden_layer_ids),
+            functools.partial(
+                step_fn, model_cfg, engine_cfg.max_logprobs, rows=self.rows, prompt_rows=self.prompt_rows,
+                hidden_layer_ids=self.hidden_layer_ids,
+            ),
             static_argnames=("layout",),
             donate_argnames=("kv",),
         )
@@ -192,28 +163,34 @@ class ModelRunner:
             for r in rows
         ))
 
+    def _output_layouts(self) -> tuple[RowLayout, RowLayout]:
+        """The packed column layouts of the sampler's and the prompt logprobs' outputs, derived once from their
+        dataclasses (shapes traced for one row; the columns do not depend on the row count)."""
+        k, V = self.engine_cfg.max_logprobs, self.model_cfg.vocab_size
+        logits = jax.ShapeDtypeStruct((1, V), jnp.float32)
+        ids = jax.ShapeDtypeStruct((1,), jnp.int32)
+        draft_ids = ids if self.engine_cfg.speculative_config is not None else None
+        sampled = jax.eval_shape(
+            functools.partial(sample, max_logprobs=k), logits, _structs(SamplingInputs.neutral(1, 1)), draft_ids=draft_ids
+        )
+        lp = jax.eval_shape(functools.partial(prompt_logprobs, max_logprobs=k), logits, ids)
+        return RowLayout.of(sampled), RowLayout.of(lp)
+
+    def neutral_batch(self, b: Bucket, prompt_logprobs: bool = False) -> StepBatch:
+        """A step of bucket `b` that runs nothing (padding only): the template every real step's layout matches."""
+        R, T = b.rows, b.num_tokens
+        return StepBatch(
+            build_step_inputs([], b, self.engine_cfg.page_size),
+            SamplingInputs.neutral(R, b.max_pages * self.engine_cfg.page_size),
+            np.full(R, -1, np.int32) if self.engine_cfg.speculative_config is not None else None,
+            np.full(T, -1, np.int32) if prompt_logprobs else None,
+        )
+
     def layout(self, b: Bucket, prompt_logprobs: bool = False) -> Layout:
-        """Where every step input lives in the packed buffers, for bucket `b`."""
+        """Where every step input lives in the packed buffer, for bucket `b` (derived from `StepBatch`)."""
         key = (b, prompt_logprobs)
         if key not in self._layouts:
-            T, S, P, R = b.num_tokens, b.num_seqs, b.max_pages, b.rows
-            specs = dict(
-                token_ids=((T,), "int32"),
-                positions=((T,), "int32"),
-                slot_mapping=((T,), "int32"),
-                block_tables=((S, P), "int32"),
-                seq_lens=((S,), "int32"),
-                cu_q_lens=((S + 1,), "int32"),
-                num_seqs=((), "int32"),
-                logits_indices=((R,), "int32"),
-            )
-            sampling = SamplingInputs.host_arrays(R, P * self.engine_cfg.page_size)
-            specs |= {k: (v.shape, v.dtype.name) for k, v in sampling.items()}
-            if self.engine_cfg.speculative_config is not None:
-                specs["draft_ids"] = ((R,), "int32")
-            if prompt_logprobs:
-                specs["prompt_targets"] = ((T,), "int32")
-            self._layouts[key] = Layout.of(specs)
+            self._layouts[key] = Layout.of(self.neutral_batch(b, prompt_logprobs))
         return self._layouts[key]
 
     def executable(self, bucket: Bucket, prompt_logprobs: bool = False) -> jax.stages.Compiled:
@@ -241,29 +218,17 @@ class ModelRunner:
         for b in it:
             self.executable(b)
 
-    def run(
-        self,
-        bucket: Bucket,
-        inputs: dict[str, np.ndarray],
-        sampling: dict[str, np.ndarray],
-        prompt_targets: np.ndarray | None = None,
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
-        """One step: one transfer in, one executable call, one fetch out.
-
-        Returns the sampler's outputs and, if `prompt_targets` was given, prompt log-probabilities.
-        """
-        with_prompt = prompt_targets is not None
+    def run(self, bucket: Bucket, batch: StepBatch) -> tuple[SamplerOutput, PromptLogprobs | None]:
+        """One step: one transfer in, one executable call, one fetch out. Returns the sampler's outputs (numpy) and,
+        if the batch has `prompt_targets`, the prompt log-probabilities."""
+        with_prompt = batch.prompt_targets is not None
         exe = self.executable(bucket, with_prompt)
-        arrays = inputs | sampling
-        if with_prompt:
-            arrays["prompt_targets"] = prompt_targets
-        packed = jax.device_put(self.layout(bucket, with_prompt).pack(arrays))
+        packed = jax.device_put(self.layout(bucket, with_prompt).pack(batch))
         out, self.kv = exe(self.weights, self.kv, packed)
         sampled, prompt_lp = out[:2]
         self.last_hidden = out[2] if self.hidden_layer_ids else None
-        k = self.engine_cfg.max_logprobs
         sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
-        return unpack_sampled(sampled, k), (unpack_prompt_logprobs(prompt_lp, k) if with_prompt else None)
+        return self.rows.unpack(sampled), (self.prompt_rows.unpack(prompt_lp) if with_prompt else None)
 
     def kv_is_intact(self) -> bool:
         """False once a failed executable call consumed the donated KV cache: the engine cannot go on."""
@@ -300,8 +265,9 @@ class ProposerRunner:
             logger.info("compiled proposer step for %s in %.1f s", device_input.shape, time.perf_counter() - t0)
         return exe
 
-    def run(self, layout: Layout, arrays: dict[str, np.ndarray], device_input: jax.Array) -> np.ndarray:
+    def run(self, layout: Layout, inputs, device_input: jax.Array) -> np.ndarray:
+        """`inputs`: the host pytree `layout` was derived from (e.g. the head's catch-up dataclass)."""
         exe = self.executable(layout, jax.ShapeDtypeStruct(device_input.shape, device_input.dtype))
-        packed = jax.device_put(layout.pack(arrays))
+        packed = jax.device_put(layout.pack(inputs))
         out, self.state = exe(self.weights, self.shared, self.state, device_input, packed)
         return np.asarray(jax.device_get(out))

@@ -44,9 +44,9 @@ class SamplingInputs:
     wants_logprobs: jax.Array  # bool[S]  top-k logprobs and ranks are only computed if some row wants them
 
     @staticmethod
-    def host_arrays(num_rows: int, history_len: int) -> dict[str, np.ndarray]:
-        """Neutral (greedy, no penalties) padding values; the engine fills the real rows."""
-        return dict(
+    def neutral(num_rows: int, history_len: int) -> "SamplingInputs":
+        """Host numpy rows with neutral (greedy, no penalties) padding values; the engine fills the real rows."""
+        return SamplingInputs(
             temperature=np.zeros(num_rows, np.float32),
             top_k=np.zeros(num_rows, np.int32),
             top_p=np.ones(num_rows, np.float32),
@@ -60,6 +60,11 @@ class SamplingInputs:
             banned=np.full((num_rows, MAX_BANNED), -1, np.int32),
             wants_logprobs=np.zeros(num_rows, np.bool_),
         )
+
+    @staticmethod
+    def host_arrays(num_rows: int, history_len: int) -> dict[str, np.ndarray]:
+        """`neutral` as a dict of its fields (TODO(lead): callers move to `neutral`)."""
+        return dict(vars(SamplingInputs.neutral(num_rows, history_len)))
 
 
 @jax.tree_util.register_dataclass
@@ -181,3 +186,24 @@ def sample(
         accepted=accepted,
         nonfinite=jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1),
     )
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PromptLogprobs:
+    ranks: jax.Array  # i32[T]  rank of each position's next prompt token under the raw distribution
+    top_ids: jax.Array  # i32[T, max_logprobs]
+    logprobs: jax.Array  # f32[T]  log-probability of the next prompt token
+    top_logprobs: jax.Array  # f32[T, max_logprobs]
+
+
+def prompt_logprobs(logits: jax.Array, targets: jax.Array, *, max_logprobs: int) -> PromptLogprobs:
+    """Log-probabilities of each position's *next* prompt token. logits: f32[T, V], targets: i32[T] (-1 = none)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=-1)
+    if max_logprobs:
+        top_logprobs, top_ids = jax.lax.top_k(logp, max_logprobs)
+    else:
+        top_logprobs, top_ids = jnp.zeros((logits.shape[0], 0), jnp.float32), jnp.zeros((logits.shape[0], 0), jnp.int32)
+    ranks = 1 + jnp.sum(logp > chosen, axis=-1).astype(jnp.int32)
+    return PromptLogprobs(ranks, top_ids.astype(jnp.int32), chosen[:, 0], top_logprobs)

@@ -18,7 +18,10 @@ Preemption is by recompute: pages are released (full ones stay in the prefix cac
 Speculative decoding: a decoding sequence may carry draft tokens (`seq.spec_token_ids`, set by the engine's
 proposer before `schedule`). Its step then computes 1 + K tokens (its last token and the K drafts, verified in the
 same ragged batch as everything else), K cut to fit the budget, and pages are reserved for all of them; the engine
-rolls back the rejected ones. With EAGLE-3 a prefix-cache hit reuses one page less (spec_decode/eagle3.py says why).
+rolls back the rejected ones (`advance`). A proposer may ask that prefix-cache hits reuse fewer pages
+(`prefix_holdback_pages`: EAGLE-3's head needs its last cached page recomputed; spec_decode/eagle3.py says why).
+
+The engine reaches pages only through the scheduler: `advance` after a step, `finish` and `fail` at the end.
 """
 
 from __future__ import annotations
@@ -43,15 +46,14 @@ class ScheduledWork:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager):
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, prefix_holdback_pages: int = 0):
         self.cfg = cfg
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
-        spec = cfg.speculative_config
-        self._reuse_one_page_less = spec is not None and spec.method == "eagle3"
+        self.prefix_holdback_pages = prefix_holdback_pages  # cached pages a prefix hit recomputes anyway
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
@@ -91,10 +93,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hit = self.block_manager.reuse_prefix(seq)
-            if hit and self._reuse_one_page_less:
-                # EAGLE-3: the head's KV at a cached page's last slot pairs it with the token after the page, which
-                # this sequence need not share; recompute the last cached page (see spec_decode/eagle3.py).
-                hit -= self.block_manager.page_size
+            if hit and self.prefix_holdback_pages:  # the proposer's state in the last cached pages is not reusable
+                hit = max(0, hit - self.prefix_holdback_pages * self.block_manager.page_size)
                 self.block_manager.trim(seq, hit)
                 seq.num_computed_tokens = hit
             n = min(seq.num_uncomputed_tokens, budget)
@@ -149,6 +149,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(seq)
         self.waiting.sort(key=self._rank)
+
+    def advance(self, seq: Sequence, num_computed: int, verified_drafts: bool = False) -> None:
+        """After a step: `num_computed` more of `seq`'s tokens have valid KV (full pages join the prefix cache).
+        `verified_drafts`: the step verified drafts, so pages that only held rejected ones are freed."""
+        seq.num_computed_tokens += num_computed
+        if verified_drafts:
+            self.block_manager.trim(seq, seq.num_tokens)
+        seq.spec_token_ids = []
+        self.block_manager.register_computed(seq)
+
+    def fail(self, seq: Sequence) -> None:
+        """Release a sequence whose KV may be garbage: pages only it holds leave the prefix cache too."""
+        self.block_manager.discard(seq)
+        self.finish(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence wherever it is."""

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs
+from jaxserve.batch import Bucket, ScheduledSeq, build_step_inputs
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
@@ -50,8 +50,8 @@ class PagedModel:
         T = sum(len(t) for t in chunks.values())
         bucket = Bucket(num_tokens=num_tokens or T, num_seqs=len(seqs), max_pages=self.pages_per_seq)
         host = build_step_inputs(seqs, bucket, self.page_size)
-        host["logits_indices"] = np.arange(bucket.num_tokens, dtype=np.int32)
-        logits, self.kv = self._fwd(self.weights, self.kv, StepInputs(**host))
+        host.logits_indices = np.arange(bucket.num_tokens, dtype=np.int32)
+        logits, self.kv = self._fwd(self.weights, self.kv, host)
         logits = np.asarray(logits)
         out, t = {}, 0
         for i, toks in chunks.items():

@@ -17,7 +17,7 @@ import torch
 from safetensors.numpy import save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.batch import ScheduledSeq, StepInputs, build_step_inputs, choose_bucket
+from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
 from jaxserve.config import SpeculativeConfig
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
@@ -189,12 +189,12 @@ def test_head_forward_matches_torch_reference(target, tmp_path, fmt, flags):
     inputs = build_step_inputs([ScheduledSeq(tokens[:T], 0, pages)], b, ps)
     jin = jax.tree.map(jnp.asarray, inputs)
     fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames="from_target")
-    h, normed, kv = fwd(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))), from_target=True)
+    h, normed, kv = fwd(cfg, hw, jnp.asarray(embed), kv, jin, jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))), from_target=True)
     np.testing.assert_allclose(np.asarray(h[:T]), ref_h.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(draft_logits(hw, normed[:T])), ref_logits.numpy(), rtol=1e-4, atol=1e-4)
     b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
     jin = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([tokens[T]], T, pages)], b1, ps))
-    h2, normed2, kv = fwd(cfg, hw, jnp.asarray(embed), kv, StepInputs(**jin), h[T - 1 : T], from_target=False)
+    h2, normed2, kv = fwd(cfg, hw, jnp.asarray(embed), kv, jin, h[T - 1 : T], from_target=False)
     np.testing.assert_allclose(np.asarray(h2[0]), ref_h2[-1].numpy(), rtol=1e-4, atol=1e-4)
     logits2 = draft_logits(hw, normed2)
     np.testing.assert_allclose(np.asarray(logits2[0]), ref_logits2[-1].numpy(), rtol=1e-4, atol=1e-4)
@@ -217,7 +217,7 @@ def test_layer_id_conventions_capture_the_same_tensors(target, tmp_path):
     weights = jax.device_put(to_weights(ck.config, ck.tensors, np.float32))
     kv = init_kv_cache(ck.config, 4, 4, jnp.float32)
     bk = choose_bucket(T, 2, (8,), (2,), 2)
-    inputs = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(tokens, 0, [1, 2])], bk, 4)))
+    inputs = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(tokens, 0, [1, 2])], bk, 4))
     _, _, hidden = forward(ck.config, weights, kv, inputs, hidden_layer_ids=a)
     with torch.no_grad():
         hf = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
@@ -458,22 +458,22 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
     llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head[0]) | {"adaptive": True}))
     eng = llm.llm_engine
     made, verified = [], []
-    after_step, postprocess = eng.proposer.after_step, eng._postprocess
+    after_step, process = eng.proposer.after_step, eng._process
 
     def spy_after_step(work, starts, aux, draft_cap, k_hint=None):
         after_step(work, starts, aux, draft_cap, k_hint)
         made.extend((k_hint, len(w.seq.spec_token_ids)) for w in work)
 
-    def spy_postprocess(work, out, failed):
+    def spy_process(work, out, failed):
         verified.extend(w.num_draft for w in work)
-        return postprocess(work, out, failed)
+        return process(work, out, failed)
 
     head_runs, run = [], eng.proposer.runner.run
     monkeypatch.setattr(eng.proposer.runner, "run", lambda *a: head_runs.append(1) or run(*a))
     monkeypatch.setattr(eng.proposer, "after_step", spy_after_step)
-    monkeypatch.setattr(eng, "_postprocess", spy_postprocess)
+    monkeypatch.setattr(eng, "_process", spy_process)
     for k_fixed in (1, 0, 2):  # K = 2 after K = 0: requests that arrive after the head was off speculate again
-        monkeypatch.setattr(eng.spec, "choose_k", lambda base, lens, optimistic=False, k=k_fixed: min(k, max(lens, default=k)))
+        monkeypatch.setattr(eng.spec.controller, "choose_k", lambda base, lens, optimistic=False, k=k_fixed: min(k, max(lens, default=k)))
         made.clear(), verified.clear(), head_runs.clear()
         assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
         assert all(n <= h <= k_fixed for h, n in made) and (k_fixed, k_fixed) in made, (k_fixed, made)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.batch import ScheduledSeq, StepInputs, build_step_inputs, choose_bucket
+from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.eagle3 import load_eagle3
@@ -79,12 +79,12 @@ def _serving_chain_logits(cfg, w, embed, feats, tokens, p, k):
     kv = init_kv_cache(cfg.layer, 6, ps, jnp.float32)
     fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames="from_target")
     b = choose_bucket(p + 1, len(pages), (16,), (4,), 4)
-    inputs = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(list(tokens[1 : p + 2]), 0, pages)], b, ps)))
+    inputs = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(list(tokens[1 : p + 2]), 0, pages)], b, ps))
     h, normed, kv = fwd(cfg, w, embed, kv, inputs, jnp.asarray(np.pad(feats[: p + 1], ((0, 15 - p), (0, 0)))), from_target=True)
     out, h = [draft_logits(w, normed[p : p + 1])[0]], h[p : p + 1]
     b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
     for j in range(1, k + 1):
-        one = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([int(tokens[p + 1 + j])], p + j, pages)], b1, ps)))
+        one = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([int(tokens[p + 1 + j])], p + j, pages)], b1, ps))
         h, normed, kv = fwd(cfg, w, embed, kv, one, h, from_target=False)
         out.append(draft_logits(w, normed)[0])
     return np.stack([np.asarray(x) for x in out])
@@ -173,7 +173,7 @@ def test_features_equal_the_serving_forward(target, dataset):
         n, P = len(ids), len(samples[s]["prompt_token_ids"])
         kv = init_kv_cache(ck.config, 20, 4, jnp.float32)
         b = choose_bucket(n, 16, (64,), (16,), 1)
-        inputs = StepInputs(**jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(ids, 0, list(range(1, 17)))], b, 4)))
+        inputs = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(ids, 0, list(range(1, 17))], b, 4)))
         h, _, hidden = forward(ck.config, weights, kv, inputs, hidden_layer_ids=AUX)
         rows = store.rows(s)
         ref_aux = np.concatenate([np.asarray(hidden[j, :n]) for j in range(3)], axis=-1)

@@ -112,11 +112,11 @@ def _raise_when(llm: LLM, predicate) -> list[int]:
     original = runner.run
     calls = []
 
-    def run(bucket, inputs, sampling, targets=None):
-        calls.append(int(np.count_nonzero(inputs["token_ids"])))
-        if predicate(inputs):
+    def run(bucket, batch):
+        calls.append(int(np.count_nonzero(batch.inputs.token_ids)))
+        if predicate(batch.inputs):
             raise RuntimeError("injected device fault")
-        return original(bucket, inputs, sampling, targets)
+        return original(bucket, batch)
 
     runner.run = run
     return calls
@@ -125,7 +125,7 @@ def _raise_when(llm: LLM, predicate) -> list[int]:
 def test_step_exception_for_one_request_fails_only_it(path, reference):
     prompts, want = reference
     llm = LLM(path, **CFG)
-    _raise_when(llm, lambda inputs: POISON in inputs["token_ids"])
+    _raise_when(llm, lambda inputs: POISON in inputs.token_ids)
     batch = [prompts[0][:3] + [POISON]] + prompts[1:4]
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     c = outs[0].outputs[0]
@@ -139,14 +139,14 @@ def test_host_side_exception_fails_only_that_request(path, reference, monkeypatc
     prompts, want = reference
     llm = LLM(path, **CFG)
     eng = llm.llm_engine
-    original = eng._check_stop
+    original = eng.output.check_stop
 
     def check_stop(req, seq, token, now):
         if req.request_id.endswith("-0") and len(seq.output_token_ids) == 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer fault")
         return original(req, seq, token, now)
 
-    monkeypatch.setattr(eng, "_check_stop", check_stop)
+    monkeypatch.setattr(eng.output, "check_stop", check_stop)
     ids = [f"offline-{i}" for i in range(4)]
     monkeypatch.setattr(llm, "_ids", iter(range(4)))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY, use_tqdm=False)
@@ -160,14 +160,14 @@ def test_build_exception_fails_only_that_request(path, reference, monkeypatch):
     prompts, want = reference
     llm = LLM(path, **CFG)
     eng = llm.llm_engine
-    original = eng._fill_row
+    original = eng.builder.fill_row
 
     def fill_row(sampling, row, seq, extra):
         if seq.prompt_token_ids == prompts[2]:
             raise OverflowError("injected: Python int too large to convert to C int")
         return original(sampling, row, seq, extra)
 
-    monkeypatch.setattr(eng, "_fill_row", fill_row)
+    monkeypatch.setattr(eng.builder, "fill_row", fill_row)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY, use_tqdm=False)
     assert outs[2].outputs[0].finish_reason == "error" and "OverflowError" in outs[2].outputs[0].stop_reason
     assert [outs[i].outputs[0].token_ids for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]

@@ -106,13 +106,13 @@ def _target_probs(temperature, top_k=0, top_p=1.0, min_p=0.0):
 
 
 def _verify_rows(n, draft, temperature, top_k=0, top_p=1.0, min_p=0.0):
-    h = SamplingInputs.host_arrays(n, 4)
-    h["temperature"][:] = temperature
-    h["top_k"][:] = top_k
-    h["top_p"][:] = top_p
-    h["min_p"][:] = min_p
-    h["seeds"][:] = np.random.default_rng(7).integers(0, 2**32, n, dtype=np.uint32)
-    s = SamplingInputs(**{k: jnp.asarray(v) for k, v in h.items()})
+    h = SamplingInputs.neutral(n, 4)
+    h.temperature[:] = temperature
+    h.top_k[:] = top_k
+    h.top_p[:] = top_p
+    h.min_p[:] = min_p
+    h.seeds[:] = np.random.default_rng(7).integers(0, 2**32, n, dtype=np.uint32)
+    s = jax.tree.map(jnp.asarray, h)
     logits = jnp.broadcast_to(jnp.asarray(LOGITS), (n, V))
     out = jax.jit(lambda lg, s, d: sample(lg, s, max_logprobs=2, draft_ids=d))(logits, s, jnp.full((n,), draft, jnp.int32))
     return np.asarray(out.token_ids), np.asarray(out.accepted)
@@ -140,10 +140,10 @@ def test_greedy_verify_accepts_only_the_argmax():
 
 
 def test_no_draft_rows_sample_like_plain_decoding():
-    h = SamplingInputs.host_arrays(16, 4)
-    h["temperature"][:] = 0.9
-    h["seeds"][:] = np.arange(16, dtype=np.uint32) * 7919
-    s = SamplingInputs(**{k: jnp.asarray(v) for k, v in h.items()})
+    h = SamplingInputs.neutral(16, 4)
+    h.temperature[:] = 0.9
+    h.seeds[:] = np.arange(16, dtype=np.uint32) * 7919
+    s = jax.tree.map(jnp.asarray, h)
     logits = jnp.broadcast_to(jnp.asarray(LOGITS), (16, V))
     plain = sample(logits, s, max_logprobs=0)
     verify = sample(logits, s, max_logprobs=0, draft_ids=jnp.full((16,), NO_DRAFT, jnp.int32))
@@ -204,7 +204,7 @@ def test_controller_recovers_from_a_bad_start(monkeypatch):
     """Acceptance measured ~0 at first (K = 0 chosen, so nothing more is measured) and then the workload turns
     predictable: the controller's forgetting estimate plus its bounded exploration find K > 0 again; with
     exploration switched off it stays locked out. Its optimistic hint predicts the next decision, exploring included."""
-    import jaxserve.spec_decode as sd
+    import jaxserve.spec_decode.controller as sd
 
     def run(explore_every):
         monkeypatch.setattr(sd, "EXPLORE_EVERY", explore_every)
@@ -243,7 +243,7 @@ def test_controller_explores_unmeasured_sizes_low_or_high():
 def test_controller_counts_only_the_drafts_that_exist():
     """An n-gram proposer finds drafts for only some sequences: the gain and the cost count the drafts that exist,
     and speculating must clear MIN_GAIN over no speculation."""
-    from jaxserve.spec_decode import MIN_GAIN
+    from jaxserve.spec_decode.controller import MIN_GAIN
 
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=1)
     c = SpecController(cfg, token_buckets=(16, 32))
@@ -477,22 +477,22 @@ def test_controller_counts_the_draft_models_time(tiny, monkeypatch):
     llm = LLM(tiny, **_engine_args(speculative_config={
         "method": "draft_model", "model": tiny, "num_speculative_tokens": 3}))
     eng = llm.llm_engine
-    propose = eng.proposer.propose
+    propose = eng.proposer.after_schedule
 
     def slow_propose(work):
         if any(w.num_draft for w in work):
             _time.sleep(0.05)
         return propose(work)
 
-    monkeypatch.setattr(eng.proposer, "propose", slow_propose)
+    monkeypatch.setattr(eng.proposer, "after_schedule", slow_propose)
     choices = []
-    choose = eng.spec.choose_k
-    monkeypatch.setattr(eng.spec, "choose_k", lambda base, lens: choices.append(choose(base, lens)) or choices[-1])
+    choose = eng.spec.controller.choose_k
+    monkeypatch.setattr(eng.spec.controller, "choose_k", lambda base, lens: choices.append(choose(base, lens)) or choices[-1])
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(4, seed=3)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert any(k > 0 for k in choices)  # tried ...
-    assert max(eng.spec.cost.values()) >= 0.05  # ... its measured cost includes the draft model's time ...
+    assert max(eng.spec.controller.cost.values()) >= 0.05  # ... its measured cost includes the draft model's time ...
     # ... and turned off (a step size never seen before may still be tried once)
     assert len(choices) >= 40 and sum(k > 0 for k in choices[len(choices) // 2 :]) <= 1, choices
     ref = LLM(tiny, **_engine_args()).generate(prompts, params, use_tqdm=False)

@@ -21,18 +21,18 @@ import logging
 
 import numpy as np
 
-from jaxserve.batch import ScheduledSeq, build_step_inputs, choose_bucket
+from jaxserve.batch import ScheduledSeq, StepBatch, build_step_inputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
 from jaxserve.sampler import SamplingInputs
+from jaxserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
 
-class DraftModelProposer:
-    drafts_after_scheduling = True
-    drafts_after_step = False
+class DraftModelProposer(Proposer):
+    """Drafts after scheduling, into the pages the scheduler reserved for the verify step."""
 
     def __init__(self, spec: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig):
         import jax.numpy as jnp
@@ -53,7 +53,10 @@ class DraftModelProposer:
     def warmup(self) -> None:
         self.runner.warmup()
 
-    def propose(self, work) -> None:
+    def draft(self, seq, k: int) -> None:
+        return None  # placeholders: drafted in `after_schedule`, once the verify step's pages are reserved
+
+    def after_schedule(self, work) -> None:
         """Fill `seq.spec_token_ids[:w.num_draft]` for every scheduled sequence that verifies drafts."""
         items = [w for w in work if w.num_draft > 0]
         if not items:
@@ -103,6 +106,6 @@ class DraftModelProposer:
             cfg.max_num_seqs,
         )
         inputs = build_step_inputs(seqs, bucket, cfg.page_size)
-        sampling = SamplingInputs.host_arrays(bucket.rows, bucket.max_pages * cfg.page_size)  # all greedy
-        out, _ = self.runner.run(bucket, inputs, sampling)
-        return [int(t) for t in np.asarray(out["token_ids"][: len(seqs)])]
+        sampling = SamplingInputs.neutral(bucket.rows, bucket.max_pages * cfg.page_size)  # all greedy
+        out, _ = self.runner.run(bucket, StepBatch(inputs, sampling))
+        return [int(t) for t in np.asarray(out.token_ids[: len(seqs)])]

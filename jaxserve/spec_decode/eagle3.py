@@ -49,17 +49,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs, choose_bucket
+from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs, choose_bucket, slot_of
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig, kv_storage_dtype
 from jaxserve.kv_cache import KVCache, init_kv_cache
 from jaxserve.loader.eagle3 import load_eagle3
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights, draft_logits, eagle3_forward, greedy_target_ids
 from jaxserve.packing import Layout
 from jaxserve.runner import ProposerRunner
+from jaxserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
-_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepInputs))
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CatchUpInputs:
+    """One head step's inputs (packed into one transfer like the target's `StepBatch`)."""
+
+    step: StepInputs  # the catch-up pass: pairs (f_p, t_{p+1}) of the positions the target kept this step
+    feature_rows: jax.Array  # i32[T]  the target step's token row whose feature each catch-up token pairs with
+    draft_pos: jax.Array  # i32[S]  n - 1: where each sequence's first draft pass writes
+    num_draft: jax.Array  # i32[S]  drafts wanted per sequence (0 = catch-up only)
 
 
 def draft_fn(
@@ -70,16 +80,16 @@ def draft_fn(
     embed: jax.Array,  # f[V, D]  the target's embedding
     kv: KVCache,  # [1, P, page_size, K, H]
     aux: jax.Array,  # f[T, 3D]  the target step's features, in its token order
-    packed: jax.Array,  # i32[*]  catch-up StepInputs + feature_rows i32[T] + draft_pos i32[S] + num_draft i32[S]
+    packed: jax.Array,  # i32[*]  a CatchUpInputs
     *,
     layout: Layout,
 ) -> tuple[jax.Array, KVCache]:
     """Catch-up pass + max(num_draft) - 1 draft passes -> (drafts i32[S, k] in target ids, kv); columns past a
     sequence's num_draft are unspecified."""
-    a = layout.unpack(packed)
-    inputs = StepInputs(**{f: a[f] for f in _STEP_FIELDS})
-    S = a["num_draft"].shape[0]
-    nxt, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a["feature_rows"]], from_target=True)
+    a: CatchUpInputs = layout.unpack(packed)
+    inputs = a.step
+    S = a.num_draft.shape[0]
+    nxt, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a.feature_rows], from_target=True)
     rows = inputs.logits_indices[:S]  # each sequence's last caught-up pair
     tok = greedy_target_ids(weights, draft_logits(weights, normed[rows]))
     h = nxt[rows]
@@ -88,17 +98,17 @@ def draft_fn(
     seq_idx = jnp.arange(S, dtype=jnp.int32)
 
     def more(carry):
-        return carry[0] < jnp.max(a["num_draft"])  # the step's trip count is data: no pass nobody asked for
+        return carry[0] < jnp.max(a.num_draft)  # the step's trip count is data: no pass nobody asked for
 
     def step(carry):
         j, tok, h, kv, drafts = carry
-        active = j < a["num_draft"]  # this sequence still wants draft j + 1
-        p = jnp.where(active, a["draft_pos"] + j - 1, 0)  # inactive rows: position 0, writing the sink slot
+        active = j < a.num_draft  # this sequence still wants draft j + 1
+        p = jnp.where(active, a.draft_pos + j - 1, 0)  # inactive rows: position 0, writing the sink slot
         page = bt[seq_idx, jnp.minimum(p // page_size, P - 1)]
         one = StepInputs(
             token_ids=tok,
             positions=p,
-            slot_mapping=jnp.where(active, page * page_size + p % page_size, 0),
+            slot_mapping=jnp.where(active, slot_of(page, p, page_size), 0),
             block_tables=bt,
             seq_lens=p + 1,
             cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32),
@@ -114,9 +124,10 @@ def draft_fn(
     return drafts, kv
 
 
-class Eagle3Proposer:
-    drafts_after_scheduling = False
-    drafts_after_step = True  # drafts are made in `after_step` and wait in seq.spec_token_ids
+class Eagle3Proposer(Proposer):
+    """Drafts are made in `after_step` from the target's features and wait in seq.spec_token_ids."""
+
+    prefix_holdback_pages = 1  # a cached page's last head-KV slot pairs it with the next page (module doc)
 
     def __init__(self, spec: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig, runner):
         self.engine_cfg = engine_cfg
@@ -143,25 +154,17 @@ class Eagle3Proposer:
     def num_compiles(self) -> int:
         return self.runner.num_compiles
 
-    def _layout(self, b: Bucket) -> Layout:
-        if b in self._layouts:
-            return self._layouts[b]
-        T, S, P, R = b.num_tokens, b.num_seqs, b.max_pages, b.rows
-        self._layouts[b] = Layout.of(
-            dict(
-                token_ids=((T,), "int32"),
-                positions=((T,), "int32"),
-                slot_mapping=((T,), "int32"),
-                block_tables=((S, P), "int32"),
-                seq_lens=((S,), "int32"),
-                cu_q_lens=((S + 1,), "int32"),
-                num_seqs=((), "int32"),
-                logits_indices=((R,), "int32"),
-                feature_rows=((T,), "int32"),
-                draft_pos=((S,), "int32"),
-                num_draft=((S,), "int32"),
-            )
+    def _inputs(self, b: Bucket, seqs: list[ScheduledSeq] = ()) -> CatchUpInputs:
+        """The head step's host inputs for bucket `b` (all padding when `seqs` is empty)."""
+        S = b.num_seqs
+        return CatchUpInputs(
+            build_step_inputs(list(seqs), b, self.engine_cfg.page_size),
+            np.zeros(b.num_tokens, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32),
         )
+
+    def _layout(self, b: Bucket) -> Layout:
+        if b not in self._layouts:
+            self._layouts[b] = Layout.of(self._inputs(b))
         return self._layouts[b]
 
     def _bucket(self, num_tokens: int, num_pages: int) -> Bucket:
@@ -178,10 +181,12 @@ class Eagle3Proposer:
 
     # ---- the proposer interface -----------------------------------------------------------------------------
 
-    def verified(self, seq, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
-        """Nothing to roll back: the next catch-up overwrites the slots of rejected drafts."""
+    def draft(self, seq, k: int) -> list[int]:
+        return seq.spec_token_ids[:k]  # drafted at the end of the previous step
 
-    def after_step(self, work, starts: list[int], aux: jax.Array, draft_cap, k_hint: int | None = None) -> None:
+    # `verified`: nothing to roll back, the next catch-up overwrites the slots of rejected drafts.
+
+    def after_step(self, work, starts: list[int], aux: jax.Array, draft_cap, k_hint=None) -> None:
         """Catch the head up on what the target kept this step and draft for every decoding sequence.
 
         `work`: the step's ScheduledWork (in token order); `starts[i]`: work[i]'s num_computed_tokens before the
@@ -215,15 +220,11 @@ class Eagle3Proposer:
         if not seqs:
             return
         b = self._bucket(aux.shape[0], max(len(s.page_ids) for s in seqs))
-        arrays = build_step_inputs(seqs, b, ps)
-        S = b.num_seqs
-        arrays["feature_rows"] = np.zeros(b.num_tokens, np.int32)
-        arrays["feature_rows"][: len(feature_rows)] = feature_rows
-        arrays["draft_pos"] = np.zeros(S, np.int32)
-        arrays["draft_pos"][: len(seqs)] = draft_pos
-        arrays["num_draft"] = np.zeros(S, np.int32)
-        arrays["num_draft"][: len(seqs)] = num_draft
-        drafts = self.runner.run(self._layout(b), arrays, aux)  # i32[S, K]
+        inputs = self._inputs(b, seqs)
+        inputs.feature_rows[: len(feature_rows)] = feature_rows
+        inputs.draft_pos[: len(seqs)] = draft_pos
+        inputs.num_draft[: len(seqs)] = num_draft
+        drafts = self.runner.run(self._layout(b), inputs, aux)  # i32[S, K]
         for i, (seq, k) in enumerate(zip(owners, num_draft)):
             if k:
                 seq.spec_token_ids = [int(x) for x in drafts[i, :k]]

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.spec_decode.proposer import Proposer
 
-class NgramProposer:
-    drafts_after_scheduling = False  # drafts are known before scheduling (host lookup, no pages needed)
-    drafts_after_step = False
+
+class NgramProposer(Proposer):
+    """Drafts are known before scheduling (a host lookup, no pages needed); no state to roll back."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def warmup(self) -> None:
-        pass
-
-    def verified(self, seq, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
-        pass
+    def draft(self, seq, k: int) -> list[int]:
+        return self.propose(seq.token_ids, k)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         L = len(token_ids)

@@ -1,0 +1,86 @@
+"""From a model path and an EngineConfig to a ready engine's parts: checkpoint loaded, config resolved, weights on
+device, KV cache allocated, proposer built (and, with `precompile`, every bucket compiled).
+
+Resolution happens once, here, so everything downstream reads final values: the dtype (float32 on CPU, bfloat16
+elsewhere), `max_model_len` capped by the model's context, the page buckets the attention backend needs, and the
+number of KV pages, sized so the target's cache and any proposer's (same page ids) fit the memory budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from jaxserve import attention
+from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
+from jaxserve.kv_cache import kv_cache_bytes
+from jaxserve.loader import load_checkpoint
+from jaxserve.loader.weights import to_weights
+from jaxserve.runner import ModelRunner, default_dtype
+from jaxserve.spec_decode import Proposer, make_proposer, proposer_cache_configs, target_hidden_layer_ids
+from jaxserve.tokenizer import Tokenizer
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineParts:
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    config: EngineConfig  # fully resolved
+    runner: ModelRunner
+    proposer: Proposer | None  # None without speculative_config
+    eos_token_ids: tuple[int, ...]  # the model's and the tokenizer's, deduplicated
+
+
+def resolve_num_pages(
+    engine_cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, extra_caches: tuple[ModelConfig, ...] = ()
+) -> int:
+    """Pages of the KV cache: as configured, or as many as the memory budget holds at the cache's dtype (so an int8
+    cache holds 4x the pages of a float32 one in the same bytes). `extra_caches`: models whose caches use the same
+    page ids (a draft model, an EAGLE-3 head), so a page costs their bytes too."""
+    if engine_cfg.num_pages is not None:
+        return engine_cfg.num_pages
+    per_page = sum(kv_cache_bytes(c, 1, engine_cfg.page_size, kv_dtype) for c in (model_cfg, *extra_caches))
+    if engine_cfg.kv_cache_memory_bytes is not None:
+        return max(2, engine_cfg.kv_cache_memory_bytes // per_page)
+    want = 1 + engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq
+    return max(2, min(want, DEFAULT_KV_CACHE_BYTES // per_page))
+
+
+def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    dtype = engine_config.dtype or default_dtype()
+    max_model_len = min(engine_config.max_model_len, model_config.max_position_embeddings)
+    cfg = engine_config.replace(dtype=dtype, max_model_len=max_model_len)
+    if attention.uses_native_kernel(attention.attention_backend()):
+        # The native CPU kernel walks only each sequence's own pages: one block-table size serves every step.
+        cfg = cfg.replace(page_buckets=cfg.page_buckets[-1:])
+    kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
+    extra = proposer_cache_configs(cfg.speculative_config, model_config)
+    cfg = cfg.replace(num_pages=resolve_num_pages(cfg, model_config, kv_dtype, extra))
+    if cfg.num_pages - 1 < cfg.max_pages_per_seq:
+        raise ValueError(
+            f"num_pages={cfg.num_pages} cannot hold one sequence of max_model_len={max_model_len} "
+            f"({cfg.max_pages_per_seq} pages of {cfg.page_size}); lower max_model_len or raise num_pages"
+        )
+    return cfg
+
+
+def build_engine_parts(model: str | None, engine_config: EngineConfig | None = None) -> EngineParts:
+    ckpt = load_checkpoint(model)
+    model_config, tokenizer = ckpt.config, ckpt.tokenizer
+    cfg = resolve_config(engine_config or EngineConfig(), model_config)
+    weights = to_weights(model_config, ckpt.tensors, jnp.dtype(cfg.dtype), ckpt.path)
+    del ckpt
+    hidden_ids = target_hidden_layer_ids(cfg.speculative_config, model_config)
+    runner = ModelRunner(model_config, cfg, weights, cfg.dtype, hidden_layer_ids=hidden_ids)
+    if cfg.precompile:
+        runner.warmup()
+    proposer = None
+    if cfg.speculative_config is not None:
+        proposer = make_proposer(cfg.speculative_config, cfg, model_config, runner)
+        if cfg.precompile:
+            proposer.warmup()
+    eos = tuple(dict.fromkeys(model_config.eos_token_ids + (tokenizer.eos_token_ids if tokenizer else ())))
+    return EngineParts(model_config, tokenizer, cfg, runner, proposer, eos)

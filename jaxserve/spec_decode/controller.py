@@ -1,0 +1,142 @@
+"""`SpecController` chooses K for each step (and each request may cap it, 0 = no speculation): it keeps the measured
+cost of each step size (the target's step plus the proposer's device work for it -- draft-model passes, the EAGLE-3
+head; unmeasured sizes interpolated linearly in tokens) and the measured acceptance rate per draft
+position (optimistic until 20 drafts were seen there, so each position gets tried). Given how many drafts each
+decoding sequence can have this step (what a host proposer such as n-gram actually found -- often nothing -- or
+the request's cap for a model proposer), it picks the K that maximises expected tokens per second,
+`sum_s (1 + sum_{i <= min(K, L_s)} prod_{j<=i} a_j) / cost(tokens + sum_s min(K, L_s))`, and speculates only if
+that beats K = 0 by `MIN_GAIN` (measurements are noisy; a marginal gain is not worth the risk of a loss), so with
+honest measurements speculation does not make a loaded server slower than no speculation.
+
+The controller's acceptance estimate forgets (each draft verified at a position decays the older ones there by
+`ACCEPT_DECAY`: a window of ~100 drafts), so it follows the workload, and every `EXPLORE_EVERY`-th decision it
+tries the runner-up K if that is estimated to cost at most `EXPLORE_MAX_LOSS` of the best: an estimate that
+stopped being measured (K = 0 after a bad first request, one noisy sample of a step size) is measured again, at a
+bounded price (<= 1.25% of throughput), and never when the alternative is clearly worse (verify under load on a
+compute-bound device).
+The reported metrics (`SpecMetrics`) stay cumulative.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from jaxserve.config import SpeculativeConfig
+
+
+class SpecMetrics:
+    """Acceptance per draft position, aggregated over all requests."""
+
+    def __init__(self, k: int):
+        self.num_drafts = [0] * k  # drafts verified at position i (0-based)
+        self.num_accepted = [0] * k  # of which accepted
+        self.num_steps = 0  # sequence-steps that verified at least one draft
+        self.num_emitted = 0  # tokens emitted by those sequence-steps (accepted + 1)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        for i in range(num_draft):
+            self.num_drafts[i] += 1
+            self.num_accepted[i] += i < num_accepted
+        self.num_steps += 1
+        self.num_emitted += num_accepted + 1
+
+    def acceptance_rates(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.num_accepted, self.num_drafts)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        d = sum(self.num_drafts)
+        return sum(self.num_accepted) / d if d else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verifying sequence-step (1 = nothing accepted)."""
+        return self.num_emitted / self.num_steps if self.num_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(
+            acceptance_rate=self.acceptance_rate,
+            acceptance_rate_per_position=self.acceptance_rates(),
+            mean_acceptance_length=self.mean_acceptance_length,
+            num_draft_tokens=sum(self.num_drafts),
+            num_accepted_tokens=sum(self.num_accepted),
+        )
+
+
+MIN_GAIN = 1.05  # speculate only when the expected tokens per second beat no speculation by 5%
+ACCEPT_DECAY = 0.99  # per draft verified at a position: the controller's estimate there spans ~100 recent drafts
+EXPLORE_EVERY = 16  # every 16th decision may try the runner-up K ...
+EXPLORE_MAX_LOSS = 0.2  # ... if its estimated tokens/s is within 20% of the best
+MIN_MEASURED = 20  # drafts seen at a position before its acceptance estimate replaces the optimistic prior
+
+
+class SpecController:
+    """Chooses K per step from measured step costs and acceptance (see the module docstring)."""
+
+    def __init__(self, cfg: SpeculativeConfig, token_buckets: tuple[int, ...], ema: float = 0.2):
+        self.k_max = cfg.num_speculative_tokens
+        self.adaptive = cfg.adaptive
+        self.buckets = token_buckets
+        self.ema = ema
+        self.cost: dict[int, float] = {}  # token bucket -> EMA seconds per step
+        self.metrics = SpecMetrics(self.k_max)  # cumulative, reported
+        self.recent_drafts = [0.0] * self.k_max  # decayed counts behind the controller's acceptance estimate
+        self.recent_accepted = [0.0] * self.k_max
+        self.num_decisions = 0  # choose_k calls that decided a step (not optimistic hints)
+
+    def _bucket(self, n: int) -> int:
+        i = bisect.bisect_left(self.buckets, n)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        """One sequence-step's verify result: `num_draft` drafts, the first `num_accepted` of them accepted."""
+        self.metrics.record(num_draft, num_accepted)
+        for i in range(num_draft):  # a position's estimate changes only when it is measured
+            self.recent_drafts[i] = ACCEPT_DECAY * self.recent_drafts[i] + 1
+            self.recent_accepted[i] = ACCEPT_DECAY * self.recent_accepted[i] + (i < num_accepted)
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        b = self._bucket(num_tokens)
+        old = self.cost.get(b)
+        self.cost[b] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+    def _cost(self, num_tokens: int) -> float | None:
+        """Seconds per step of `num_tokens` tokens: measured for its bucket, else linear in tokens through the two
+        nearest measured buckets (prefill steps measure large buckets for free); None if fewer than two are known."""
+        b = self._bucket(num_tokens)
+        if b in self.cost:
+            return self.cost[b]
+        if len(self.cost) < 2:
+            return None
+        (b0, c0), (b1, c1) = sorted(sorted(self.cost.items(), key=lambda kv: abs(kv[0] - b))[:2])
+        return max(c0 + (c1 - c0) * (b - b0) / (b1 - b0), min(c0, c1))
+
+    def choose_k(self, base_tokens: int, draft_lens: list[int], optimistic: bool = False) -> int:
+        """K for this step, given `base_tokens` scheduled without drafts and, per decoding sequence that may
+        speculate, the most drafts it can have (`draft_lens`). While a candidate step size is unmeasured the
+        smallest such K is tried (to measure it); `optimistic`: the largest candidate instead -- for a proposer
+        that drafts ahead and turns itself off at 0, so that exploring K = 0 does not switch it off; an optimistic
+        call is a hint for the *next* decision (it does not count as one, and predicts that decision's exploring)."""
+        decision = self.num_decisions + 1
+        if not optimistic:
+            self.num_decisions = decision
+        if not self.adaptive or not draft_lens:
+            return self.k_max
+        # gain[m] = expected accepted drafts of a sequence with m drafts: sum_{i<=m} prod_{j<=i} a_j
+        gain, survive = [0.0], 1.0
+        for d, a in zip(self.recent_drafts, self.recent_accepted):
+            # unmeasured position: optimistic prior, so every K gets tried and then measured
+            survive *= a / d if d >= MIN_MEASURED else 1.0
+            gain.append(gain[-1] + survive)
+        values = []  # expected tokens per second of each K
+        for k in range(min(self.k_max, max(draft_lens)) + 1):
+            cost = self._cost(base_tokens + sum(min(k, L) for L in draft_lens))
+            if cost is None:  # nothing to estimate from yet: try it
+                return min(self.k_max, max(draft_lens)) if optimistic else k
+            values.append((len(draft_lens) + sum(gain[min(k, L)] for L in draft_lens)) / cost)
+        best_k = max(range(len(values)), key=lambda k: values[k] / (MIN_GAIN if k else 1.0))  # K > 0 must clear the bar
+        if decision % EXPLORE_EVERY == 0 and len(values) > 1:
+            runner_up = max((k for k in range(len(values)) if k != best_k), key=lambda k: values[k])
+            if values[runner_up] >= (1 - EXPLORE_MAX_LOSS) * values[best_k]:
+                return runner_up
+        return best_k

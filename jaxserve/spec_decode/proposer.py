@@ -1,0 +1,38 @@
+"""The `Proposer` protocol: the hooks through which the engine (`speculator.Speculator`) drives every
+speculative method, in the order one step calls them."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from jaxserve.scheduler import ScheduledWork
+from jaxserve.sequence import Sequence
+
+
+class Proposer(Protocol):
+    """What every speculative method implements (n-gram, draft model, EAGLE-3). The methods subclass it and
+    inherit a no-op for each hook they do not need; `draft` they all implement."""
+
+    # Cached prefix pages a new sequence must recompute rather than reuse (the EAGLE-3 head's KV in the last cached
+    # page pairs it with a token the new sequence need not share): the scheduler reuses this many pages fewer.
+    prefix_holdback_pages: int = 0
+
+    def warmup(self) -> None:
+        """Compile what the proposer runs, before serving."""
+
+    def draft(self, seq: Sequence, k: int) -> list[int] | None:
+        """Before scheduling: up to `k` drafts for decoding `seq` (host lookups, or drafts made after the last
+        step), or None: `k` placeholders that `after_schedule` fills once the step's pages are reserved."""
+        raise NotImplementedError
+
+    def after_schedule(self, work: list[ScheduledWork]) -> None:
+        """Fill the placeholder drafts of the scheduled sequences (`seq.spec_token_ids[:w.num_draft]`)."""
+
+    def verified(self, seq: Sequence, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
+        """`seq` verified `num_draft` drafts, the first `num_accepted` kept: roll the proposer's state back."""
+
+    def after_step(self, work: list[ScheduledWork], starts: list[int], hidden, draft_cap: Callable[[Sequence], int],
+                   k_hint: int) -> None:
+        """After the target step (`starts[i]`: work[i]'s num_computed_tokens before it; `hidden`: the step's
+        target features on device, or None): draft for the next step, at most `draft_cap(seq)` per sequence and
+        `k_hint` (the K the controller expects to choose next; 0 = it will not speculate)."""

@@ -1,0 +1,114 @@
+"""The engine's one handle on speculation: a `Proposer` (any method) plus the `SpecController` that picks K.
+
+The engine calls the same four hooks whatever the method, so it has no per-method branches:
+  1. `propose(running)` before scheduling: each decoding sequence gets up to K drafts in `seq.spec_token_ids`
+     (K chosen by the controller for the step as a whole; the scheduler then fits as many as its budget allows);
+  2. `after_schedule(work)`: a proposer that needs the step's pages fills its drafts now (the draft model);
+  3. `verified(seq, ...)` per sequence once the target has verified its drafts;
+  4. `after_step(work, starts, hidden)` before finished sequences free their pages: a proposer that drafts from the
+     target's features makes the next step's drafts now (EAGLE-3).
+It also times the proposer's device work of each step, so the controller weighs a step size by what it really
+costs (the target's step plus the drafting for it).
+"""
+
+from __future__ import annotations
+
+import time
+
+from jaxserve.config import EngineConfig
+from jaxserve.scheduler import ScheduledWork
+from jaxserve.sequence import Sequence
+from jaxserve.spec_decode.controller import SpecController
+from jaxserve.spec_decode.proposer import Proposer
+from jaxserve.spec_decode.rejection import NO_DRAFT
+
+
+class Speculator:
+    def __init__(self, cfg: EngineConfig, proposer: Proposer):
+        self.cfg = cfg
+        self.proposer = proposer
+        self.controller = SpecController(cfg.speculative_config, cfg.token_buckets)
+        self.step_seconds = 0.0  # the proposer's device work for the current step
+        self._timed_buckets: set = set()  # buckets whose step time the controller has seen once
+        # the controller's next-step hint costs a pass over the running sequences: only for proposers that use it
+        self._drafts_after_step = type(proposer).after_step is not Proposer.after_step
+
+    @property
+    def metrics(self):
+        return self.controller.metrics
+
+    def stats(self) -> dict[str, float | list[int]]:
+        """Cumulative speculation metrics under their /metrics names (vLLM's spec_decode_* family)."""
+        m = self.controller.metrics
+        return {
+            "spec_decode_acceptance_rate": m.acceptance_rate,
+            "spec_decode_mean_acceptance_length": m.mean_acceptance_length,
+            "spec_decode_num_draft_tokens": sum(m.num_drafts),
+            "spec_decode_num_accepted_tokens": sum(m.num_accepted),
+            "spec_decode_num_draft_tokens_per_pos": list(m.num_drafts),
+            "spec_decode_num_accepted_tokens_per_pos": list(m.num_accepted),
+        }
+
+    def draft_cap(self, seq: Sequence) -> int:
+        """The most drafts `seq` may verify next step: the engine's K, the request's cap, and never past the
+        request's end (at most k drafts + 1 token may still be emitted)."""
+        p = seq.params
+        if seq.spec_disabled:
+            return 0
+        k_max = self.controller.k_max
+        k = k_max if p.num_speculative_tokens is None else min(k_max, p.num_speculative_tokens)
+        return max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.cfg.max_model_len - seq.num_tokens - 1))
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Drafts for every decoding sequence (the scheduler decides how many of them it can verify)."""
+        self.step_seconds = 0.0
+        budget = self.cfg.max_num_batched_tokens
+        decoding = [s for s in running if s.num_uncomputed_tokens == 1]
+        base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
+        caps = [self.draft_cap(seq) for seq in decoding]
+        drafts = [self.proposer.draft(seq, k) if k else [] for seq, k in zip(decoding, caps)]
+        caps = [k if d is None else len(d) for k, d in zip(caps, drafts)]
+        for seq in running:
+            seq.spec_token_ids = []
+        k_step = self.controller.choose_k(min(base, budget), caps)
+        for seq, d, cap in zip(decoding, drafts, caps):
+            k = min(k_step, cap)
+            if d is not None:
+                seq.spec_token_ids = d[:k]
+            elif k > 0:
+                seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
+
+    def after_schedule(self, work: list[ScheduledWork]) -> None:
+        t = time.perf_counter()
+        self.proposer.after_schedule(work)
+        self.step_seconds += time.perf_counter() - t
+
+    def verified(self, seq: Sequence, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
+        self.controller.record(num_draft, num_accepted)
+        seq.spec_num_verified += num_draft
+        seq.spec_num_accepted += num_accepted
+        self.proposer.verified(seq, num_tokens_before, num_draft, num_accepted)
+
+    def after_step(self, work: list[ScheduledWork], starts: list[int], running: list[Sequence], hidden) -> None:
+        if not self._drafts_after_step:
+            return
+        t = time.perf_counter()
+        self.proposer.after_step(work, starts, hidden, self.draft_cap, self._k_hint(running))
+        self.step_seconds += time.perf_counter() - t
+
+    def _k_hint(self, running: list[Sequence]) -> int:
+        """The K the controller would choose for a next step made of the running sequences as they are now, each
+        decoding one that may speculate with its full cap of drafts: how many drafts a proposer that drafts ahead
+        (EAGLE-3) should make; 0 = the next step would not speculate."""
+        budget = self.cfg.max_num_batched_tokens
+        running = [s for s in running if not s.is_finished]
+        base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
+        caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
+        return self.controller.choose_k(min(base, budget), caps, optimistic=True)
+
+    def record_step(self, bucket, num_tokens: int, run_seconds: float) -> None:
+        """The target step's time plus the proposer's work for it, for the controller's cost model."""
+        if bucket in self._timed_buckets:
+            self.controller.record_step(num_tokens, run_seconds + self.step_seconds)
+        else:  # a bucket's first run is an outlier (one-time allocations), and a pessimistic first sample would
+            self._timed_buckets.add(bucket)  # never be revisited: the controller would avoid that size
