@@ -532,3 +532,41 @@ def test_acceptance_metrics_per_position_reach_prometheus(tiny):
     assert samples["jaxserve_spec_decode_num_accepted_tokens_total"] == sum(accepted)
     assert samples["jaxserve_spec_decode_mean_acceptance_length"] == pytest.approx(stats["spec_decode_mean_acceptance_length"])
     assert samples["jaxserve_spec_decode_mean_acceptance_length"] > 1
+
+
+def test_a_new_proposer_plugs_in_through_the_protocol(tiny, plain):
+    """The engine drives speculation only through the `Proposer` hooks: an oracle proposer that drafts the greedy
+    reference continuation with its last draft wrong gets exactly the right ones accepted, every hook is called in
+    step order, and the output is the reference."""
+    from jaxserve.spec_decode import Proposer
+
+    prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(3, seed=11)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)}
+    calls = []
+
+    class Oracle(Proposer):
+        def draft(self, seq, k):
+            calls.append("draft")
+            want = ref[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :][:k]
+            return want[:-1] + [(want[-1] + 1) % 300] if len(want) > 1 else want  # the last draft is wrong
+
+        def after_schedule(self, work):
+            calls.append("after_schedule")
+
+        def verified(self, seq, num_tokens_before, num_draft, num_accepted):
+            calls.append(("verified", num_draft, num_accepted))
+
+        def after_step(self, work, starts, hidden, draft_cap, k_hint):
+            calls.append("after_step")
+
+    llm = LLM(tiny, **_engine_args(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}))
+    llm.llm_engine.spec.proposer = Oracle()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[tuple(o.prompt_token_ids)] for o in outs]
+    verified = [c for c in calls if isinstance(c, tuple)]
+    assert verified and all(acc == nd - 1 for _, nd, acc in verified if nd > 1)  # all but the wrong last draft
+    assert any(nd == 3 for _, nd, _ in verified)
+    assert {"draft", "after_schedule", "after_step"} <= set(calls)
+    m = llm.llm_engine.spec.metrics
+    assert sum(m.num_accepted) == sum(acc for _, _, acc in verified) > 0

@@ -30,8 +30,6 @@ class Speculator:
         self.controller = SpecController(cfg.speculative_config, cfg.token_buckets)
         self.step_seconds = 0.0  # the proposer's device work for the current step
         self._timed_buckets: set = set()  # buckets whose step time the controller has seen once
-        # the controller's next-step hint costs a pass over the running sequences: only for proposers that use it
-        self._drafts_after_step = type(proposer).after_step is not Proposer.after_step
 
     @property
     def metrics(self):
@@ -90,8 +88,8 @@ class Speculator:
         self.proposer.verified(seq, num_tokens_before, num_draft, num_accepted)
 
     def after_step(self, work: list[ScheduledWork], starts: list[int], running: list[Sequence], hidden) -> None:
-        if not self._drafts_after_step:
-            return
+        if type(self.proposer).after_step is Proposer.after_step:
+            return  # the no-op hook: skip the controller's next-step hint too (a pass over the running sequences)
         t = time.perf_counter()
         self.proposer.after_step(work, starts, hidden, self.draft_cap, self._k_hint(running))
         self.step_seconds += time.perf_counter() - t
