@@ -8,6 +8,7 @@ Both are hashable so they can be closed over by jitted functions as static data.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -90,6 +91,24 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 
+# Kernel backend choices (`EngineConfig.attention_backend` / `matmul_backend`); `jaxserve.ops.resolve_backends`
+# turns them into what runs. A field left None takes its environment variable, so the switches that predate the
+# fields keep working; the variables are read when the config is made, never at trace time.
+BACKEND_CHOICES = ("auto", "xla", "native")
+BACKEND_ENV = {"attention_backend": "JAXSERVE_ATTENTION_BACKEND", "matmul_backend": "JAXSERVE_MATMUL_BACKEND"}
+
+
+def _backend_choice(name: str, value: str | None) -> str:
+    """A backend field's validated, lower-cased value; None -> its environment variable (unset or empty: 'auto')."""
+    source = name
+    if value is None:
+        source = f"{BACKEND_ENV[name]} (the default of {name})"
+        value = os.environ.get(BACKEND_ENV[name], "").strip() or "auto"
+    choice = value.strip().lower() if isinstance(value, str) else value
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(f"{source} must be one of {', '.join(BACKEND_CHOICES)} (got {value!r})")
+    return choice
+
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
@@ -153,6 +172,12 @@ class EngineConfig:
     # Run the layers as one `lax.scan` body (True) or unrolled (False); None = unrolled on the CPU, where XLA copies
     # each scanned layer's weight slices out of the stacked arrays every step, and scanned elsewhere.
     scan_layers: bool | None = None
+    # Kernel backends, "auto" | "xla" | "native" (BACKEND_CHOICES); None = $JAXSERVE_ATTENTION_BACKEND /
+    # $JAXSERVE_MATMUL_BACKEND, else "auto". attention: auto = Pallas on a GPU (the XLA reference for shapes it does
+    # not cover), the native C++ kernel on the CPU when it builds, else the XLA reference. matmul: auto = the native
+    # CPU matmul over packed weights for float32, unrolled layers on the CPU when it builds, else XLA dots.
+    attention_backend: str | None = None
+    matmul_backend: str | None = None
     enable_prefix_caching: bool = True
     precompile: bool = True  # compile every (tokens, pages) bucket at start; False = compile each on first use
     priority_aging_steps: int = 100  # a waiting request gains one priority level per this many steps
@@ -169,6 +194,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
+        for name in BACKEND_ENV:
+            object.__setattr__(self, name, _backend_choice(name, getattr(self, name)))
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16 (got {self.dtype!r})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -5,7 +5,8 @@ cache and the layer loop can carry it. A token's *slot* is `page * page_size + o
 padding tokens write there and padded block-table entries point there; it is never handed to a sequence.
 
 Quantized caches (int8, fp8 e4m3) also hold `k_scale`, `v_scale`: f32[L, P, page_size, K], one scale per token and
-kv head, written with the values (format: `reference.quantize_kv`). Float caches have no scales (None).
+kv head, written with the values (format: `ops.quantize_kv`, the attention reference's). Float caches have no
+scales (None).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from pallas_kernels.ragged_paged_attention.reference import QUANT_MAX, quantize_kv
+from jaxserve.ops import QUANT_MAX, quantize_kv
 
 
 @jax.tree_util.register_dataclass

@@ -1,20 +1,210 @@
-"""The one door to the kernels: the only module of jaxserve that imports `pallas_kernels` or `cpu_kernels`.
+"""The one door to the kernels: the only module of jaxserve (and of service/, training/, bench/) that imports
+`pallas_kernels` or `cpu_kernels`.
 
-(Work in progress: speculative verification first; attention, linear maps and KV quantization follow.)
+Why one door: which implementation of attention, of a linear map, of KV quantization or of speculative verification
+runs is a deployment choice (GPU Pallas kernels, native C++ CPU kernels through XLA's FFI, or the XLA references
+that specify them all). Making that choice in one place, once, keeps the model, the sampler and the cache free of
+kernel imports and of process state: the engine resolves its `EngineConfig` fields into a `Backends` value at
+start (`resolve_backends`), and that frozen, hashable value travels to the model as a static argument, so what a
+step traces depends on its arguments only, never on environment variables read at trace time.
+
+`Backends` holds concrete choices, never "auto":
+- `attention`: "pallas" (a GPU: the Pallas kernel where it covers the shapes, the XLA reference otherwise, which
+  `pallas_kernels` logs once per reason), "native" (the C++ kernel on the CPU), "xla" (the XLA reference).
+- `matmul`: "native" (linear weights are packed with `pack_linear` when placed; `linear` then runs the C++ matmul)
+  or "xla" (plain dots). The weights' form carries this choice into the step, so `linear` needs no argument.
+
+`attend` and `linear` reach the kernel modules through their attributes at call time, so a test can swap a kernel
+entry point; the sampler calls `ops.verify_one_hot` the same way.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from cpu_kernels import matmul as _cpu_matmul
+from cpu_kernels import ragged_paged_attention as _cpu_rpa
+from jaxserve.config import BACKEND_ENV, EngineConfig
+from pallas_kernels import ragged_paged_attention as _rpa
 from pallas_kernels import spec_verify as _spec_verify
+from pallas_kernels.ragged_paged_attention import reference as _rpa_reference
 from pallas_kernels.spec_verify import reference as _spec_verify_reference
+
+# --- backends ---------------------------------------------------------------------------------------------------
+
+ATTENTION_BACKENDS = ("pallas", "native", "xla")  # resolved values of Backends.attention
+MATMUL_BACKENDS = ("native", "xla")  # resolved values of Backends.matmul
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backends:
+    """The kernels a step runs, resolved once from the engine's config (`resolve_backends`); static under jit."""
+
+    attention: str  # one of ATTENTION_BACKENDS
+    matmul: str  # one of MATMUL_BACKENDS
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"Backends.attention must be one of {', '.join(ATTENTION_BACKENDS)} "
+                             f"(got {self.attention!r}); resolve 'auto' with resolve_backends")
+        if self.matmul not in MATMUL_BACKENDS:
+            raise ValueError(f"Backends.matmul must be one of {', '.join(MATMUL_BACKENDS)} (got {self.matmul!r}); "
+                             "resolve 'auto' with resolve_backends")
+
+    @classmethod
+    def default(cls, dtype="float32", scan_layers: bool = False) -> Backends:
+        """What a default `EngineConfig` (fields from the environment, else auto) resolves to, for callers that run
+        the model without an engine (training, tests). Resolved when called: under jit, at trace time."""
+        return resolve_backends(EngineConfig(), dtype, scan_layers)
+
+
+def native_attention_available() -> bool:
+    """Whether the native CPU attention library builds and loads (built once, cached; one warning if not)."""
+    return _cpu_rpa.load()
+
+
+def native_matmul_available() -> bool:
+    """Whether the native CPU matmul library builds and loads (built once, cached; one warning if not)."""
+    return _cpu_matmul.load()
+
+
+def resolve_attention_backend(choice: str) -> str:
+    """'auto' | 'xla' | 'native' -> one of ATTENTION_BACKENDS on this JAX backend; raises for impossible choices."""
+    platform = jax.default_backend()
+    field = f"attention_backend={choice} (${BACKEND_ENV['attention_backend']} when the field is unset)"
+    if choice == "xla":
+        return "xla"
+    if choice == "native":
+        if platform != "cpu":
+            raise ValueError(f"{field} needs the CPU backend (running on {platform}); use auto or xla")
+        if not native_attention_available():
+            raise RuntimeError(f"{field} but the native CPU attention library could not be built or loaded (see the "
+                               "warning above); install g++ or use auto / xla")
+        return "native"
+    if choice != "auto":
+        raise ValueError(f"attention_backend must be one of auto, xla, native (got {choice!r})")
+    if platform == "gpu":
+        return "pallas"
+    return "native" if platform == "cpu" and native_attention_available() else "xla"
+
+
+def resolve_matmul_backend(choice: str, dtype, scan_layers: bool) -> str:
+    """'auto' | 'xla' | 'native' -> one of MATMUL_BACKENDS. The native matmul needs the CPU, float32 weights and
+    unrolled layers (it packs each layer's weights); auto takes it when all hold and the library loads, native
+    raises saying which condition fails."""
+    if choice not in ("auto", "xla", "native"):
+        raise ValueError(f"matmul_backend must be one of auto, xla, native (got {choice!r})")
+    if choice == "xla":
+        return "xla"
+    platform = jax.default_backend()
+    why_not = (f"the backend is {platform}, not cpu" if platform != "cpu"
+               else f"dtype is {jnp.dtype(dtype).name}, not float32" if jnp.dtype(dtype) != jnp.float32
+               else "layers are scanned (scan_layers=True)" if scan_layers else None)
+    if choice == "native":
+        field = f"matmul_backend=native (${BACKEND_ENV['matmul_backend']} when the field is unset)"
+        if why_not:
+            raise ValueError(f"{field} cannot be used: {why_not}; use auto or xla")
+        if not native_matmul_available():
+            raise RuntimeError(f"{field} but the native CPU matmul library could not be built or loaded (see the "
+                               "warning above); install g++ or use auto / xla")
+        return "native"
+    return "native" if why_not is None and native_matmul_available() else "xla"
+
+
+def resolve_backends(engine_cfg: EngineConfig, dtype, scan_layers: bool) -> Backends:
+    """The engine's backend fields made concrete for this process: `dtype` is the weights' dtype, `scan_layers`
+    whether the layers run as one scanned body (the resolved `EngineConfig.scan_layers`). Call once, at start."""
+    return Backends(
+        attention=resolve_attention_backend(engine_cfg.attention_backend),
+        matmul=resolve_matmul_backend(engine_cfg.matmul_backend, dtype, scan_layers),
+    )
+
+
+# --- attention --------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TokenMetadata:
+    """Per-token facts of a ragged batch, computed once per step and shared by every layer."""
+
+    seq: jax.Array  # i32[T]  sequence index of each token
+    pos: jax.Array  # i32[T]  absolute position
+    is_real: jax.Array  # bool[T]
+
+
+def token_metadata(
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    seq_lens: jax.Array,  # i32[S]
+    num_seqs: jax.Array,  # i32[]
+    num_tokens: int,
+) -> TokenMetadata:
+    return TokenMetadata(*_rpa_reference.token_metadata(cu_q_lens, seq_lens, num_seqs, num_tokens))
+
+
+def attend(
+    q: jax.Array,  # f[T, N, H]
+    k_pages: jax.Array,  # [P, page_size, K, H]  a page pool: float, or int8 / float8_e4m3fn with scales
+    v_pages: jax.Array,  # [P, page_size, K, H]
+    block_tables: jax.Array,  # i32[S, max_pages]  pages of the pool
+    seq_lens: jax.Array,  # i32[S]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[]
+    meta: TokenMetadata,  # the same batch per token (`token_metadata`)
+    k_scales: jax.Array | None = None,  # f32[P, page_size, K]  quantized pools only
+    v_scales: jax.Array | None = None,  # f32[P, page_size, K]
+    *,
+    sm_scale: float,
+    backends: Backends,
+) -> jax.Array:  # f[T, N, H]
+    """Ragged paged attention (semantics: `pallas_kernels.ragged_paged_attention.reference.attend`) on the kernel
+    `backends.attention` names. The Pallas kernel takes the per-sequence form of the batch, the CPU paths the
+    per-token `meta`."""
+    if backends.attention == "pallas" and _rpa.select_impl(q, k_pages) == "kernel":
+        return _rpa.ragged_paged_attention(
+            q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, k_scales, v_scales,
+            sm_scale=sm_scale, impl="kernel",
+        )
+    run = _cpu_rpa.attend if backends.attention == "native" else _rpa_reference.attend
+    return run(q, k_pages, v_pages, block_tables, meta.seq, meta.pos, meta.is_real, k_scales, v_scales,
+               sm_scale=sm_scale)
+
+
+# --- linear maps ------------------------------------------------------------------------------------------------
+
+PackedLinear = _cpu_matmul.PackedLinear  # a weight [K, N] in the native matmul's panel layout
+
+
+def pack_linear(w) -> PackedLinear:
+    """w: f32[K, N] (numpy or jax) -> PackedLinear, for `Backends.matmul == 'native'`. Host-side, once."""
+    return _cpu_matmul.pack(w)
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x: f[T, in] @ w [in, out] -> f[T, out]; `w` is an array (an XLA dot) or a `PackedLinear` (the native CPU
+    matmul, which itself falls back to a dot, with one warning, if its library cannot be loaded)."""
+    if isinstance(w, PackedLinear):
+        return _cpu_matmul.matmul(x, w)
+    return x @ w
+
+
+# --- KV quantization ------------------------------------------------------------------------------------------
+
+QUANT_MAX = _rpa_reference.QUANT_MAX  # quantized KV dtype name -> the largest magnitude it stores
+quantize_kv = _rpa_reference.quantize_kv  # f[..., H] -> (values [..., H] in dtype, f32[...] scales)
+
+# --- speculative verification ---------------------------------------------------------------------------------
 
 NO_DRAFT = _spec_verify_reference.NO_DRAFT
 accepted_length = _spec_verify_reference.accepted_length
 
-# Speculative verification on the Pallas kernel where it covers the inputs (GPU), the XLA reference elsewhere.
+# On the Pallas kernel where it covers the inputs (a GPU), the XLA reference elsewhere; `impl=` overrides.
 verify_one_hot = _spec_verify.verify_one_hot
 rejection_sample = _spec_verify.rejection_sample
 
-# The XLA references themselves (the specification; `spec_decode.rejection` re-exports them).
+# The XLA references themselves: the specification (`spec_decode.rejection` re-exports them).
 reference_verify_one_hot = _spec_verify_reference.verify_one_hot
 reference_rejection_sample = _spec_verify_reference.rejection_sample

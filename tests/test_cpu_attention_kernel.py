@@ -215,7 +215,8 @@ def test_invalid_inputs_raise_clear_errors():
 
 
 def test_falls_back_to_reference_when_the_library_cannot_be_built(monkeypatch, caplog):
-    from jaxserve import attention
+    from jaxserve import ops
+    from jaxserve.config import BACKEND_ENV, EngineConfig
 
     def no_build(source):
         raise build.BuildError("no C++ compiler: 'g++' is not on PATH")
@@ -232,10 +233,13 @@ def test_falls_back_to_reference_when_the_library_cannot_be_built(monkeypatch, c
         ref = jax.jit(lambda *a: reference.attend(*a, sm_scale=sm_scale))(*args)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
         assert "custom_call" not in jax.jit(lambda *a: native.attend(*a, sm_scale=sm_scale)).lower(*args).as_text()
-        assert not attention.uses_native_kernel("auto")
-        monkeypatch.setenv(attention.BACKEND_ENV, "native")
+        monkeypatch.delenv(BACKEND_ENV["attention_backend"], raising=False)
+        assert ops.resolve_attention_backend(EngineConfig().attention_backend) == "xla"  # auto: the reference
         with pytest.raises(RuntimeError, match="could not be built"):
-            attention.attention_backend()
+            ops.resolve_attention_backend(EngineConfig(attention_backend="native").attention_backend)
+        monkeypatch.setenv(BACKEND_ENV["attention_backend"], "native")
+        with pytest.raises(RuntimeError, match="could not be built"):
+            ops.resolve_attention_backend(EngineConfig().attention_backend)
     finally:
         monkeypatch.undo()
         native.load.cache_clear()
@@ -243,16 +247,20 @@ def test_falls_back_to_reference_when_the_library_cannot_be_built(monkeypatch, c
 
 
 def test_backend_variable(monkeypatch):
-    from jaxserve import attention
+    """$JAXSERVE_ATTENTION_BACKEND is the default of EngineConfig.attention_backend; on the CPU, auto and native
+    resolve to the native kernel."""
+    from jaxserve import ops
+    from jaxserve.config import BACKEND_ENV, EngineConfig
 
-    for value, expected, native_kernel in (("auto", "auto", True), ("Native", "native", True), ("xla", "xla", False),
-                                           ("", "auto", True)):
-        monkeypatch.setenv(attention.BACKEND_ENV, value)
-        assert attention.attention_backend() == expected
-        assert attention.uses_native_kernel(expected) == native_kernel
-    monkeypatch.setenv(attention.BACKEND_ENV, "triton")
+    env = BACKEND_ENV["attention_backend"]
+    for value, expected, resolved in (("auto", "auto", "native"), ("Native", "native", "native"), ("xla", "xla", "xla"),
+                                      ("", "auto", "native")):
+        monkeypatch.setenv(env, value)
+        assert EngineConfig().attention_backend == expected
+        assert ops.resolve_attention_backend(expected) == resolved
+    monkeypatch.setenv(env, "triton")
     with pytest.raises(ValueError, match="must be one of"):
-        attention.attention_backend()
+        EngineConfig()
 
 
 def test_build_cache_and_missing_compiler(tmp_path, monkeypatch):

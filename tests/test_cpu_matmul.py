@@ -79,12 +79,16 @@ def test_falls_back_to_xla_when_the_library_cannot_be_built(monkeypatch, caplog)
         f = jax.jit(native.matmul)
         np.testing.assert_allclose(np.asarray(f(jnp.asarray(x), native.pack(w))), x @ w, rtol=1e-5, atol=1e-5)
         assert "custom_call" not in f.lower(jnp.asarray(x), native.pack(w)).as_text()
-        from jaxserve import runner
+        from jaxserve import ops
+        from jaxserve.config import BACKEND_ENV, EngineConfig
 
-        assert not runner.use_native_matmul("float32", scan_layers=False)
-        monkeypatch.setenv(runner.MATMUL_BACKEND_ENV, "native")
+        monkeypatch.delenv(BACKEND_ENV["matmul_backend"], raising=False)
+        assert ops.resolve_backends(EngineConfig(), "float32", scan_layers=False).matmul == "xla"  # auto: XLA dots
         with pytest.raises(RuntimeError, match="could not be built"):
-            runner.use_native_matmul("float32", scan_layers=False)
+            ops.resolve_matmul_backend(EngineConfig(matmul_backend="native").matmul_backend, "float32", False)
+        monkeypatch.setenv(BACKEND_ENV["matmul_backend"], "native")
+        with pytest.raises(RuntimeError, match="could not be built"):
+            ops.resolve_matmul_backend(EngineConfig().matmul_backend, "float32", scan_layers=False)
     finally:
         monkeypatch.undo()
         native.load.cache_clear()
@@ -92,22 +96,29 @@ def test_falls_back_to_xla_when_the_library_cannot_be_built(monkeypatch, caplog)
 
 
 def test_backend_variable(monkeypatch):
-    from jaxserve.runner import MATMUL_BACKEND_ENV, use_native_matmul
+    """$JAXSERVE_MATMUL_BACKEND is the default of EngineConfig.matmul_backend; resolution checks the conditions."""
+    from jaxserve import ops
+    from jaxserve.config import BACKEND_ENV, EngineConfig
 
-    for value, expected in (("auto", True), ("", True), ("Native", True), ("xla", False)):
-        monkeypatch.setenv(MATMUL_BACKEND_ENV, value)
-        assert use_native_matmul("float32", scan_layers=False) == expected
-    monkeypatch.setenv(MATMUL_BACKEND_ENV, "auto")
-    assert not use_native_matmul("bfloat16", scan_layers=False)  # the kernel is f32 only
-    assert not use_native_matmul("float32", scan_layers=True)  # packing is per layer
-    monkeypatch.setenv(MATMUL_BACKEND_ENV, "native")
+    env = BACKEND_ENV["matmul_backend"]
+
+    def resolve(dtype="float32", scan_layers=False):
+        return ops.resolve_backends(EngineConfig(), dtype, scan_layers=scan_layers).matmul
+
+    for value, expected in (("auto", "native"), ("", "native"), ("Native", "native"), ("xla", "xla")):
+        monkeypatch.setenv(env, value)
+        assert resolve() == expected
+    monkeypatch.setenv(env, "auto")
+    assert resolve("bfloat16") == "xla"  # the kernel is f32 only
+    assert resolve(scan_layers=True) == "xla"  # packing is per layer
+    monkeypatch.setenv(env, "native")
     with pytest.raises(ValueError, match="dtype is bfloat16"):
-        use_native_matmul("bfloat16", scan_layers=False)
+        resolve("bfloat16")
     with pytest.raises(ValueError, match="scan_layers"):
-        use_native_matmul("float32", scan_layers=True)
-    monkeypatch.setenv(MATMUL_BACKEND_ENV, "onednn")
+        resolve(scan_layers=True)
+    monkeypatch.setenv(env, "onednn")
     with pytest.raises(ValueError, match="must be one of"):
-        use_native_matmul("float32", scan_layers=False)
+        resolve()
 
 
 def test_llm_greedy_tokens_native_equal_xla(tmp_path, monkeypatch):

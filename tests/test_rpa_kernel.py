@@ -330,12 +330,13 @@ def test_quantized_write_is_exact(dtype):
         assert np.isnan(got_scale[untouched]).all()
 
 
-# --- the model through jaxserve/attention.py ---------------------------------------------------------------
+# --- the model through jaxserve/attention.py and jaxserve/ops.py ------------------------------------------
 
 
 def test_model_step_through_kernel_matches_reference(tmp_path, monkeypatch):
     """A tiny Llama (head dim 64, GQA 4/2, 2 layers) run through the engine's attention dispatch with the kernel in
     interpret mode gives the reference path's logits: checks the wiring (layer i's pages at pool offset i * P)."""
+    from jaxserve import ops
     from paged_harness import PagedModel
     from tiny_models import VARIANTS, make_tiny_model
 
@@ -351,6 +352,9 @@ def test_model_step_through_kernel_matches_reference(tmp_path, monkeypatch):
         return [model.step(chunks) for chunks in steps]
 
     want = run()
+    # What a GPU resolves to (the harness runs the model with `ops.Backends.default()`), with the kernel forced.
+    gpu = ops.Backends(attention="pallas", matmul="xla")
+    monkeypatch.setattr(ops.Backends, "default", classmethod(lambda cls, *a, **k: gpu))
     monkeypatch.setattr(rpa, "select_impl", lambda *a, **k: "kernel")
     calls = []
     entry = rpa.ragged_paged_attention

@@ -243,11 +243,12 @@ def test_block_sizes_split_small_batches_only():
 
 
 def test_sampler_verify_with_kernel_matches_reference(monkeypatch):
-    """jaxserve.sampler.sample(draft_ids=...) calls the entry (kernel on GPU); forcing the kernel (interpret mode)
-    gives the same tokens and accept flags as the reference path, across sampling settings and greedy rows."""
+    """jaxserve.sampler.sample(draft_ids=...) calls the entry through `jaxserve.ops` (kernel on GPU); forcing the
+    kernel (interpret mode) gives the same tokens and accept flags as the reference path, across sampling settings
+    and greedy rows."""
     import functools
 
-    from jaxserve import sampler
+    from jaxserve import ops, sampler
 
     R, V = 12, 300
     h = sampler.SamplingInputs.host_arrays(R, 4)
@@ -267,7 +268,7 @@ def test_sampler_verify_with_kernel_matches_reference(monkeypatch):
 
     expected = jax.jit(step)(logits, s, draft_ids)
     forced = functools.partial(sv.verify_one_hot, impl="kernel", interpret=True, block_sizes=BlockSizes(64, 2))
-    monkeypatch.setattr(sampler.spec_verify, "verify_one_hot", forced)
+    monkeypatch.setattr(ops, "verify_one_hot", forced)  # the sampler's door to the kernel
     assert "spec_verify_kernel" in str(jax.make_jaxpr(lambda *a: step(*a))(logits, s, draft_ids))  # fresh trace
     got = jax.jit(lambda *a: step(*a))(logits, s, draft_ids)
     np.testing.assert_array_equal(got.token_ids, expected.token_ids)

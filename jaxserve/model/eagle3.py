@@ -28,7 +28,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxserve import attention
+from jaxserve import attention, ops
 from jaxserve.batch import StepInputs
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
@@ -130,9 +130,11 @@ def eagle3_forward(
     hidden: jax.Array,  # f[T, 3D] target features (from_target) | f[T, D] the head's previous `next_hidden`
     *,
     from_target: bool,
+    backends: ops.Backends | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """One ragged step of the head. Returns (next_hidden f[T, D], normed f[T, D], kv): `next_hidden` feeds the next
-    draft step, `draft_logits(w, normed[rows])` gives the draft-vocabulary logits."""
+    draft step, `draft_logits(w, normed[rows])` gives the draft-vocabulary logits. `backends`: the target's (see
+    `llama.forward`); None = `ops.Backends.default()`, resolved when traced."""
     T = inputs.token_ids.shape[0]
     h = fuse_features(cfg, w, hidden) if from_target else hidden
     with jax.named_scope("eagle3_attention"):
@@ -140,7 +142,8 @@ def eagle3_forward(
         layer = jnp.zeros((), jnp.int32)
         kv = write_kv(kv, layer, k, v, inputs.slot_mapping)
         meta = attention.token_metadata(inputs)
-        o = attention.ragged_paged_attention(q, kv, layer, inputs, meta, sm_scale=1.0 / math.sqrt(cfg.layer.head_dim))
+        o = attention.ragged_paged_attention(q, kv, layer, inputs, meta, sm_scale=1.0 / math.sqrt(cfg.layer.head_dim),
+                                             backends=backends)
     next_hidden, normed = head_output(cfg, w, residual, o.reshape(T, -1))
     return next_hidden, normed, kv
 

@@ -1,5 +1,7 @@
 """Stateless building blocks of a Llama-family block: linear maps, RMSNorm, rotary embedding, gated MLP.
 
+Linear maps are `jaxserve.ops.linear` (re-exported here), which runs the kernel the weight's form asks for.
+
 Norms and rotary maths run in float32 whatever the weight dtype; results are cast back to the input dtype.
 """
 
@@ -11,15 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import matmul as cpu_matmul
 from jaxserve.config import ModelConfig
-
-
-def linear(x: jax.Array, w) -> jax.Array:
-    """x: f[T, in] @ w [in, out] -> f[T, out]; `w` is an array or a `PackedLinear` (the native CPU matmul)."""
-    if isinstance(w, cpu_matmul.PackedLinear):
-        return cpu_matmul.matmul(x, w)
-    return x @ w
+from jaxserve.ops import linear  # x @ w for an array or a packed (native CPU matmul) weight; the model's only matmul
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

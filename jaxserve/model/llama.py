@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import matmul as cpu_matmul
-from jaxserve import attention
+from jaxserve import attention, ops
 from jaxserve.batch import StepInputs
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
@@ -84,10 +83,10 @@ def pack_linear_weights(weights: Weights) -> Weights:
     if isinstance(weights.layers, LayerWeights):
         raise ValueError("pack_linear_weights needs per-layer weights: call unstack_layers first")
     layers = tuple(
-        dataclasses.replace(w, **{f: cpu_matmul.pack(getattr(w, f)) for f in LINEAR_FIELDS}) for w in weights.layers
+        dataclasses.replace(w, **{f: ops.pack_linear(getattr(w, f)) for f in LINEAR_FIELDS}) for w in weights.layers
     )
     head = weights.lm_head if weights.lm_head is not None else np.asarray(weights.embed).T
-    return dataclasses.replace(weights, layers=layers, lm_head=cpu_matmul.pack(head))
+    return dataclasses.replace(weights, layers=layers, lm_head=ops.pack_linear(head))
 
 
 def _attention_block(cfg: ModelConfig, w: LayerWeights, x, positions, inv_freq):
@@ -112,13 +111,18 @@ def forward(
     inputs: StepInputs,
     *,
     hidden_layer_ids: tuple[int, ...] = (),
+    backends: ops.Backends | None = None,
 ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """One ragged step: write the new tokens' KV, attend, and return the final-normed hidden states.
 
     Returns (h f[T, D], updated cache, hidden f[len(hidden_layer_ids), T, D] or None), where hidden[j] is the
     residual stream *entering* layer hidden_layer_ids[j] (id == num_layers means the final, pre-norm output).
     Callers take logits only at the rows they need: `compute_logits(weights, h[rows])`.
+    `backends`: the kernels, resolved once by the engine (`ops.resolve_backends`); None (training, tests) =
+    `ops.Backends.default` for these weights, resolved when traced. Linear maps follow the weights' form.
     """
+    if backends is None:
+        backends = ops.Backends.default(weights.embed.dtype, scan_layers=isinstance(weights.layers, LayerWeights))
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     x = weights.embed[inputs.token_ids]  # [T, D]
@@ -134,7 +138,7 @@ def forward(
         with jax.named_scope("attention"):
             q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq)
             kv = write_kv(kv, i, k, v, inputs.slot_mapping)
-            o = attention.ragged_paged_attention(q, kv, i, inputs, meta, sm_scale=sm_scale)
+            o = attention.ragged_paged_attention(q, kv, i, inputs, meta, sm_scale=sm_scale, backends=backends)
             h = x + linear(o.reshape(x.shape[0], -1), w.wo)
         with jax.named_scope("mlp"):
             out = h + gated_mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
@@ -158,7 +162,7 @@ def compute_logits(weights: Weights, h: jax.Array) -> jax.Array:
     """h: f[R, D] (already final-normed) -> f32[R, V]."""
     if weights.lm_head is None:
         out = jnp.einsum("rd,vd->rv", h, weights.embed, preferred_element_type=jnp.float32)
-    elif isinstance(weights.lm_head, cpu_matmul.PackedLinear):
+    elif isinstance(weights.lm_head, ops.PackedLinear):
         out = linear(h, weights.lm_head)
     else:
         out = jnp.einsum("rd,dv->rv", h, weights.lm_head, preferred_element_type=jnp.float32)

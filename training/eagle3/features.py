@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import ops
 from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs, smallest_at_least
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
@@ -54,8 +55,8 @@ def read_jsonl(path: str, limit: int | None = None) -> list[dict]:
     return out
 
 
-def _target_step(cfg, aux_ids, weights, kv, inputs):
-    h, kv, hidden = forward(cfg, weights, kv, inputs, hidden_layer_ids=aux_ids)
+def _target_step(cfg, aux_ids, backends, weights, kv, inputs):
+    h, kv, hidden = forward(cfg, weights, kv, inputs, hidden_layer_ids=aux_ids, backends=backends)
     T = h.shape[0]
     aux = jnp.transpose(hidden, (1, 0, 2)).reshape(T, -1)  # [T, 3D]  (low, mid, high), as serving concatenates
     return aux, h, argmax(compute_logits(weights, h)), kv
@@ -77,7 +78,9 @@ class TargetFeatures:
         num_pages = -(-max_len // PAGE_SIZE)
         self.pages = list(range(1, num_pages + 1))  # page 0 is the padding sink
         self.kv = init_kv_cache(ck.config, num_pages + 1, PAGE_SIZE, dtype)
-        self._step = jax.jit(_target_step, static_argnums=(0, 1), donate_argnums=(3,))
+        # The kernels serving would pick for these (stacked, so scanned) weights, resolved once.
+        self.backends = ops.Backends.default(dtype, scan_layers=True)
+        self._step = jax.jit(_target_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
     def output_embedding(self) -> np.ndarray:
         """f32[V, D]: the target's lm_head rows (the embedding when tied)."""
@@ -91,7 +94,7 @@ class TargetFeatures:
         b = Bucket(num_tokens=smallest_at_least(self.len_buckets, T), num_seqs=1, max_pages=len(self.pages))
         arrays = build_step_inputs([ScheduledSeq(list(tokens), 0, self.pages)], b, PAGE_SIZE)
         inputs = StepInputs(**jax.tree.map(jnp.asarray, arrays))
-        aux, h, am, self.kv = self._step(self.cfg, self.aux_layer_ids, self.weights, self.kv, inputs)
+        aux, h, am, self.kv = self._step(self.cfg, self.aux_layer_ids, self.backends, self.weights, self.kv, inputs)
         return np.asarray(aux[:T]), np.asarray(h[:T]), np.asarray(am[:T])
 
 
