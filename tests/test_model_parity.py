@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve.batch import ScheduledSeq, StepInputs, build_step_inputs, Bucket
+from jaxserve.batch import Bucket, ScheduledSeq, build_step_inputs
 from paged_harness import PagedModel
 from tiny_models import VARIANTS, make_tiny_model
 
@@ -82,7 +82,7 @@ def test_hidden_states_match_hf(tmp_path):
     bucket = Bucket(num_tokens=len(ids), num_seqs=1, max_pages=m.pages_per_seq)
     host = build_step_inputs([ScheduledSeq(ids, 0, m.pages(0))], bucket, m.page_size)
     fwd = jax.jit(functools.partial(forward, m.cfg, hidden_layer_ids=(0, 1, 2)))
-    h, _, hidden = fwd(m.weights, m.kv, StepInputs(**host))
+    h, _, hidden = fwd(m.weights, m.kv, host)
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     # HF's hidden_states[i] enters layer i; its last entry is after the final norm, ours (id == L) is before it.

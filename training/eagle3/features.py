@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import ops
-from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs, smallest_at_least
+from jaxserve.batch import Bucket, ScheduledSeq, build_step_inputs, smallest_at_least
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.eagle3 import default_aux_layer_ids
@@ -93,7 +93,7 @@ class TargetFeatures:
             raise ValueError(f"a sequence must have 1..{self.max_len} tokens (got {T})")
         b = Bucket(num_tokens=smallest_at_least(self.len_buckets, T), num_seqs=1, max_pages=len(self.pages))
         arrays = build_step_inputs([ScheduledSeq(list(tokens), 0, self.pages)], b, PAGE_SIZE)
-        inputs = StepInputs(**jax.tree.map(jnp.asarray, arrays))
+        inputs = jax.tree.map(jnp.asarray, arrays)
         aux, h, am, self.kv = self._step(self.cfg, self.aux_layer_ids, self.backends, self.weights, self.kv, inputs)
         return np.asarray(aux[:T]), np.asarray(h[:T]), np.asarray(am[:T])
 
