@@ -13,6 +13,7 @@ tree's structure, so unpacking rebuilds the same dataclasses. Layouts are hashab
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ class Field:
     dtype: str
     offset: int
 
-    @property
+    @functools.cached_property  # read per leaf per step: computed once
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
