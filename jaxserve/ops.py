@@ -55,10 +55,12 @@ class Backends:
                              "resolve 'auto' with resolve_backends")
 
     @classmethod
-    def default(cls, dtype="float32", scan_layers: bool = False) -> Backends:
-        """What a default `EngineConfig` (fields from the environment, else auto) resolves to, for callers that run
-        the model without an engine (training, tests). Resolved when called: under jit, at trace time."""
-        return resolve_backends(EngineConfig(), dtype, scan_layers)
+    def default(cls, *, packed_weights: bool = False) -> Backends:
+        """For callers that run the model without an engine (training, tests): attention as a default `EngineConfig`
+        resolves it (the field from $JAXSERVE_ATTENTION_BACKEND, else auto), matmul as the weights already are
+        (packed with `pack_linear`: native). Resolved when called: under jit, at trace time."""
+        return cls(attention=resolve_attention_backend(EngineConfig().attention_backend),
+                   matmul="native" if packed_weights else "xla")
 
 
 def native_attention_available() -> bool:

@@ -83,7 +83,19 @@ def test_resolve_on_cpu(no_backend_env):
         ops.resolve_backends(native, "float32", scan_layers=True)
     no_backend_env.setenv(MATMUL_ENV, "xla")  # the environment reaches resolution through the config's default
     assert ops.resolve_backends(EngineConfig(), "float32", scan_layers=False).matmul == "xla"
+
+
+def test_default_for_callers_without_an_engine(no_backend_env):
+    """`Backends.default`: attention from the environment (else auto), matmul from the weights' form; a matmul
+    variable meant for serving does not stop a direct model call on unpacked weights."""
     assert ops.Backends.default() == ops.Backends(attention="native", matmul="xla")
+    assert ops.Backends.default(packed_weights=True) == ops.Backends(attention="native", matmul="native")
+    no_backend_env.setenv(MATMUL_ENV, "native")
+    no_backend_env.setenv(ATTENTION_ENV, "xla")
+    assert ops.Backends.default() == ops.Backends(attention="xla", matmul="xla")
+    no_backend_env.setenv(ATTENTION_ENV, "triton")
+    with pytest.raises(ValueError, match="JAXSERVE_ATTENTION_BACKEND .* must be one of"):
+        ops.Backends.default()
 
 
 def test_resolve_on_a_gpu(no_backend_env):

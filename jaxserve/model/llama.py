@@ -122,7 +122,7 @@ def forward(
     `ops.Backends.default` for these weights, resolved when traced. Linear maps follow the weights' form.
     """
     if backends is None:
-        backends = ops.Backends.default(weights.embed.dtype, scan_layers=isinstance(weights.layers, LayerWeights))
+        backends = ops.Backends.default(packed_weights=isinstance(weights.lm_head, ops.PackedLinear))
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     x = weights.embed[inputs.token_ids]  # [T, D]

@@ -78,8 +78,8 @@ class TargetFeatures:
         num_pages = -(-max_len // PAGE_SIZE)
         self.pages = list(range(1, num_pages + 1))  # page 0 is the padding sink
         self.kv = init_kv_cache(ck.config, num_pages + 1, PAGE_SIZE, dtype)
-        # The kernels serving would pick for these (stacked, so scanned) weights, resolved once.
-        self.backends = ops.Backends.default(dtype, scan_layers=True)
+        # The attention kernel a default engine would pick, resolved once; the stacked weights run XLA dots.
+        self.backends = ops.Backends.default()
         self._step = jax.jit(_target_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
     def output_embedding(self) -> np.ndarray:
