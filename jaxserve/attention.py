@@ -14,7 +14,6 @@ import jax
 
 from jaxserve import ops
 from jaxserve.batch import StepInputs
-from jaxserve.config import BACKEND_CHOICES, BACKEND_ENV as _BACKEND_ENV, EngineConfig
 from jaxserve.kv_cache import KVCache, layer_pages
 from jaxserve.ops import TokenMetadata
 
@@ -49,23 +48,3 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         backends=backends,
     )
-
-
-# TODO(lead): remove once runner/engine use ops. engine.py asks `uses_native_kernel(attention_backend())`; with
-# `backends = ops.resolve_backends(engine_config, dtype, scan_layers)` that is `backends.attention == "native"`.
-BACKEND_ENV = _BACKEND_ENV["attention_backend"]
-BACKENDS = BACKEND_CHOICES
-
-
-def attention_backend() -> str:
-    """The validated `JAXSERVE_ATTENTION_BACKEND`: 'auto', 'xla' or 'native' ('native' raises if the backend is not
-    the CPU or the native library cannot be loaded)."""
-    choice = EngineConfig().attention_backend
-    if choice == "native":
-        ops.resolve_attention_backend(choice)
-    return choice
-
-
-def uses_native_kernel(backend: str) -> bool:
-    """Whether a step under `backend` ('auto' | 'xla' | 'native') runs the native CPU kernel."""
-    return backend == "native" or (backend == "auto" and ops.resolve_attention_backend("auto") == "native")

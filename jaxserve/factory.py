@@ -2,17 +2,19 @@
 device, KV cache allocated, proposer built (and, with `precompile`, every bucket compiled).
 
 Resolution happens once, here, so everything downstream reads final values: the dtype (float32 on CPU, bfloat16
-elsewhere), `max_model_len` capped by the model's context, the page buckets the attention backend needs, and the
-number of KV pages, sized so the target's cache and any proposer's (same page ids) fit the memory budget.
+elsewhere), `max_model_len` capped by the model's context, `scan_layers`, the kernels (`ops.Backends` from the
+`attention_backend` / `matmul_backend` fields), the page buckets the attention backend needs, and the number of KV
+pages, sized so the target's cache and any proposer's (same page ids) fit the memory budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 
-from jaxserve import attention
+from jaxserve import ops
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import kv_cache_bytes
 from jaxserve.loader import load_checkpoint
@@ -49,11 +51,13 @@ def resolve_num_pages(
     return max(2, min(want, DEFAULT_KV_CACHE_BYTES // per_page))
 
 
-def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> tuple[EngineConfig, ops.Backends]:
     dtype = engine_config.dtype or default_dtype()
     max_model_len = min(engine_config.max_model_len, model_config.max_position_embeddings)
-    cfg = engine_config.replace(dtype=dtype, max_model_len=max_model_len)
-    if attention.uses_native_kernel(attention.attention_backend()):
+    scan = engine_config.scan_layers if engine_config.scan_layers is not None else jax.default_backend() != "cpu"
+    cfg = engine_config.replace(dtype=dtype, max_model_len=max_model_len, scan_layers=scan)
+    backends = ops.resolve_backends(cfg, dtype, scan)
+    if backends.attention == "native":
         # The native CPU kernel walks only each sequence's own pages: one block-table size serves every step.
         cfg = cfg.replace(page_buckets=cfg.page_buckets[-1:])
     kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
@@ -64,17 +68,17 @@ def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> En
             f"num_pages={cfg.num_pages} cannot hold one sequence of max_model_len={max_model_len} "
             f"({cfg.max_pages_per_seq} pages of {cfg.page_size}); lower max_model_len or raise num_pages"
         )
-    return cfg
+    return cfg, backends
 
 
 def build_engine_parts(model: str | None, engine_config: EngineConfig | None = None) -> EngineParts:
     ckpt = load_checkpoint(model)
     model_config, tokenizer = ckpt.config, ckpt.tokenizer
-    cfg = resolve_config(engine_config or EngineConfig(), model_config)
+    cfg, backends = resolve_config(engine_config or EngineConfig(), model_config)
     weights = to_weights(model_config, ckpt.tensors, jnp.dtype(cfg.dtype), ckpt.path)
     del ckpt
     hidden_ids = target_hidden_layer_ids(cfg.speculative_config, model_config)
-    runner = ModelRunner(model_config, cfg, weights, cfg.dtype, hidden_layer_ids=hidden_ids)
+    runner = ModelRunner(model_config, cfg, weights, cfg.dtype, hidden_layer_ids=hidden_ids, backends=backends)
     if cfg.precompile:
         runner.warmup()
     proposer = None

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels import matmul as cpu_matmul
+from jaxserve import ops
 from jaxserve.batch import Bucket, StepBatch, build_step_inputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import KVCache, init_kv_cache, kv_cache_bytes
@@ -30,34 +30,6 @@ logger = logging.getLogger(__name__)
 
 def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-MATMUL_BACKEND_ENV = "JAXSERVE_MATMUL_BACKEND"
-MATMUL_BACKENDS = ("auto", "xla", "native")
-
-
-def use_native_matmul(dtype: str, scan_layers: bool) -> bool:
-    """Whether the model's linear maps run on the native CPU matmul (`cpu_kernels.matmul`, packed weights).
-
-    `JAXSERVE_MATMUL_BACKEND`: `auto` (the default) = yes on the CPU backend for float32 weights and unrolled layers
-    when the library loads; `xla` = never; `native` = yes, or an error saying which condition fails.
-    """
-    choice = os.environ.get(MATMUL_BACKEND_ENV, "auto").strip().lower() or "auto"
-    if choice not in MATMUL_BACKENDS:
-        raise ValueError(f"{MATMUL_BACKEND_ENV} must be one of {MATMUL_BACKENDS} (got {choice!r})")
-    if choice == "xla":
-        return False
-    why_not = (f"the backend is {jax.default_backend()}, not cpu" if jax.default_backend() != "cpu"
-               else f"dtype is {dtype}, not float32" if jnp.dtype(dtype) != jnp.float32
-               else "layers are scanned (scan_layers=True)" if scan_layers else None)
-    if choice == "native":
-        if why_not:
-            raise ValueError(f"{MATMUL_BACKEND_ENV}=native cannot be used: {why_not}; use auto or xla")
-        if not cpu_matmul.load():
-            raise RuntimeError(f"{MATMUL_BACKEND_ENV}=native but the native CPU matmul library could not be built or "
-                               "loaded (see the warning above); install g++ or use auto / xla")
-        return True
-    return why_not is None and cpu_matmul.load()
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -76,6 +48,7 @@ def step_fn(
     layout: Layout,
     rows: RowLayout,
     prompt_rows: RowLayout,
+    backends: ops.Backends,
     hidden_layer_ids: tuple[int, ...] = (),
 ):
     """-> ((sampled i32[R, C], prompt logprobs i32[T, C'] | None), kv), or with `hidden_layer_ids`
@@ -83,7 +56,7 @@ def step_fn(
     concatenated per token (EAGLE-3). Outputs travel packed (`rows`, `prompt_rows`): one fetch."""
     batch: StepBatch = layout.unpack(packed)
     inputs = batch.inputs
-    h, kv, hidden = forward(model_cfg, weights, kv, inputs, hidden_layer_ids=hidden_layer_ids)
+    h, kv, hidden = forward(model_cfg, weights, kv, inputs, hidden_layer_ids=hidden_layer_ids, backends=backends)
     if batch.prompt_targets is None:
         logits = compute_logits(weights, h[inputs.logits_indices])
         sampled = sample(logits, batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids)
@@ -111,9 +84,11 @@ class ModelRunner:
         host_weights: Weights,
         dtype: str,
         hidden_layer_ids: tuple[int, ...] = (),
+        backends: ops.Backends | None = None,
     ):
         """`hidden_layer_ids`: also output the residual streams entering these layers (EAGLE-3 features); after
-        each `run` they stay on device as `self.last_hidden`, f[T, len(ids) * D] in the step's token order."""
+        each `run` they stay on device as `self.last_hidden`, f[T, len(ids) * D] in the step's token order.
+        `backends`: the kernels the step runs (`ops.resolve_backends`; resolved from `engine_cfg` if None)."""
         self.model_cfg = model_cfg
         self.hidden_layer_ids = tuple(hidden_layer_ids)
         self.last_hidden: jax.Array | None = None
@@ -124,7 +99,8 @@ class ModelRunner:
         self.scan_layers = engine_cfg.scan_layers if engine_cfg.scan_layers is not None else jax.default_backend() != "cpu"
         if not self.scan_layers:
             host_weights = unstack_layers(host_weights)  # `forward` unrolls the layers
-        self.native_matmul = use_native_matmul(dtype, self.scan_layers)
+        self.backends = backends or ops.resolve_backends(engine_cfg, dtype, self.scan_layers)
+        self.native_matmul = self.backends.matmul == "native"
         if self.native_matmul:
             host_weights = pack_linear_weights(host_weights)
         self.weights = jax.device_put(host_weights)
@@ -143,7 +119,7 @@ class ModelRunner:
         self._jitted = jax.jit(
             functools.partial(
                 step_fn, model_cfg, engine_cfg.max_logprobs, rows=self.rows, prompt_rows=self.prompt_rows,
-                hidden_layer_ids=self.hidden_layer_ids,
+                backends=self.backends, hidden_layer_ids=self.hidden_layer_ids,
             ),
             static_argnames=("layout",),
             donate_argnames=("kv",),

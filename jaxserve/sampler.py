@@ -61,11 +61,6 @@ class SamplingInputs:
             wants_logprobs=np.zeros(num_rows, np.bool_),
         )
 
-    @staticmethod
-    def host_arrays(num_rows: int, history_len: int) -> dict[str, np.ndarray]:
-        """`neutral` as a dict of its fields (TODO(lead): callers move to `neutral`)."""
-        return dict(vars(SamplingInputs.neutral(num_rows, history_len)))
-
 
 @jax.tree_util.register_dataclass
 @dataclass

@@ -173,7 +173,7 @@ def test_features_equal_the_serving_forward(target, dataset):
         n, P = len(ids), len(samples[s]["prompt_token_ids"])
         kv = init_kv_cache(ck.config, 20, 4, jnp.float32)
         b = choose_bucket(n, 16, (64,), (16,), 1)
-        inputs = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(ids, 0, list(range(1, 17))], b, 4)))
+        inputs = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(ids, 0, list(range(1, 17)))], b, 4))
         h, _, hidden = forward(ck.config, weights, kv, inputs, hidden_layer_ids=AUX)
         rows = store.rows(s)
         ref_aux = np.concatenate([np.asarray(hidden[j, :n]) for j in range(3)], axis=-1)

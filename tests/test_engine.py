@@ -205,9 +205,7 @@ def test_layers_unrolled_on_cpu_read_weights_in_place(tiny):
 
     assert weight_slices(scanned), "the scanned step should slice stacked weights (else this test checks nothing)"
     assert weight_slices(unrolled) == []
-    from jaxserve import attention
-
-    if attention.uses_native_kernel(attention.attention_backend()):
+    if unrolled.llm_engine.runner.backends.attention == "native":
         assert unrolled.llm_engine.config.page_buckets == (16,)
 
 

@@ -17,11 +17,11 @@ _sample = jax.jit(sample, static_argnames="max_logprobs")
 
 
 def _inputs(n, history_len=4, **rows):
-    a = SamplingInputs.host_arrays(n, history_len)
-    a["seeds"] = np.arange(n, dtype=np.uint32) * 7919 + 1
+    a = SamplingInputs.neutral(n, history_len)
+    a.seeds = np.arange(n, dtype=np.uint32) * 7919 + 1
     for k, v in rows.items():
-        a[k][...] = v
-    return SamplingInputs(**{k: jnp.asarray(v) for k, v in a.items()})
+        getattr(a, k)[...] = v
+    return jax.tree.map(jnp.asarray, a)
 
 
 def _draw(logits=LOGITS, n=N, **rows):
@@ -88,12 +88,12 @@ def test_penalties_match_formula():
     logits = np.array([[2.0, -1.0, 0.5, 1.0, -2.0, 0.0, 0.3, 0.1]], np.float32)
     hist = np.array([[0, 1, 3, 3, 5, -1]], np.int32)
     is_out = np.array([[False, False, True, True, True, False]])
-    a = SamplingInputs.host_arrays(1, hist.shape[1])
-    a.update(history=hist, history_is_output=is_out)
-    a["repetition_penalty"][:] = 1.5
-    a["frequency_penalty"][:] = 0.25
-    a["presence_penalty"][:] = 0.5
-    got = np.asarray(apply_penalties(jnp.asarray(logits), SamplingInputs(**{k: jnp.asarray(v) for k, v in a.items()})))
+    a = SamplingInputs.neutral(1, hist.shape[1])
+    a.history, a.history_is_output = hist, is_out
+    a.repetition_penalty[:] = 1.5
+    a.frequency_penalty[:] = 0.25
+    a.presence_penalty[:] = 0.5
+    got = np.asarray(apply_penalties(jnp.asarray(logits), jax.tree.map(jnp.asarray, a)))
     want = logits.copy()[0]
     for tok in (0, 1, 3, 5):  # seen in prompt or output
         want[tok] = want[tok] / 1.5 if want[tok] > 0 else want[tok] * 1.5
@@ -128,18 +128,18 @@ def test_seeded_row_ignores_companions():
     rng = np.random.default_rng(0)
     batch = rng.normal(size=(6, V)).astype(np.float32)
     batch[2] = LOGITS
-    a = SamplingInputs.host_arrays(6, 4)
-    a["temperature"][:] = rng.uniform(0.5, 1.5, 6)
-    a["temperature"][2] = 1.0
-    a["top_p"][:] = rng.uniform(0.5, 1.0, 6)
-    a["top_p"][2] = 1.0
+    a = SamplingInputs.neutral(6, 4)
+    a.temperature[:] = rng.uniform(0.5, 1.5, 6)
+    a.temperature[2] = 1.0
+    a.top_p[:] = rng.uniform(0.5, 1.0, 6)
+    a.top_p[2] = 1.0
     results = []
     for trial in range(3):
-        a["seeds"][:] = rng.integers(0, 2**32, 6, dtype=np.uint32)
-        a["seeds"][2] = 12345
+        a.seeds[:] = rng.integers(0, 2**32, 6, dtype=np.uint32)
+        a.seeds[2] = 12345
         other = rng.normal(size=(6, V)).astype(np.float32)
         other[2] = LOGITS
-        out = _sample(jnp.asarray(other), SamplingInputs(**{k: jnp.asarray(v) for k, v in a.items()}), max_logprobs=0)
+        out = _sample(jnp.asarray(other), jax.tree.map(jnp.asarray, a), max_logprobs=0)
         results.append(int(out.token_ids[2]))
     assert len(set(results)) == 1
 

@@ -251,12 +251,12 @@ def test_sampler_verify_with_kernel_matches_reference(monkeypatch):
     from jaxserve import ops, sampler
 
     R, V = 12, 300
-    h = sampler.SamplingInputs.host_arrays(R, 4)
-    h["temperature"][:] = [0.0, 0.7, 1.0, 1.3] * 3
-    h["top_k"][:] = [0, 0, 5, 0] * 3
-    h["top_p"][:] = [1.0, 0.9, 1.0, 1.0] * 3
-    h["seeds"][:] = np.arange(R, dtype=np.uint32) * 7919 + 1
-    s = sampler.SamplingInputs(**{k: jnp.asarray(v) for k, v in h.items()})
+    h = sampler.SamplingInputs.neutral(R, 4)
+    h.temperature[:] = [0.0, 0.7, 1.0, 1.3] * 3
+    h.top_k[:] = [0, 0, 5, 0] * 3
+    h.top_p[:] = [1.0, 0.9, 1.0, 1.0] * 3
+    h.seeds[:] = np.arange(R, dtype=np.uint32) * 7919 + 1
+    s = jax.tree.map(jnp.asarray, h)
     logits = jax.random.normal(jax.random.key(4), (R, V)) * 2.0
     greedy = np.asarray(reference.argmax(logits))
     draft = np.where(np.arange(R) % 3 == 0, greedy, (greedy + 1 + np.arange(R)) % V).astype(np.int32)

@@ -76,6 +76,7 @@ def draft_fn(
     cfg: Eagle3Config,
     k: int,
     page_size: int,
+    backends,  # ops.Backends: the target's
     weights: Eagle3Weights,
     embed: jax.Array,  # f[V, D]  the target's embedding
     kv: KVCache,  # [1, P, page_size, K, H]
@@ -89,7 +90,7 @@ def draft_fn(
     a: CatchUpInputs = layout.unpack(packed)
     inputs = a.step
     S = a.num_draft.shape[0]
-    nxt, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a.feature_rows], from_target=True)
+    nxt, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a.feature_rows], from_target=True, backends=backends)
     rows = inputs.logits_indices[:S]  # each sequence's last caught-up pair
     tok = greedy_target_ids(weights, draft_logits(weights, normed[rows]))
     h = nxt[rows]
@@ -115,7 +116,7 @@ def draft_fn(
             num_seqs=jnp.asarray(S, jnp.int32),
             logits_indices=seq_idx,
         )
-        h, normed, kv = eagle3_forward(cfg, weights, embed, kv, one, h, from_target=False)
+        h, normed, kv = eagle3_forward(cfg, weights, embed, kv, one, h, from_target=False, backends=backends)
         tok = greedy_target_ids(weights, draft_logits(weights, normed))
         return j + 1, tok, h, kv, drafts.at[:, j].set(tok)
 
@@ -140,7 +141,8 @@ class Eagle3Proposer(Proposer):
             )
         kv_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, engine_cfg.dtype)
         kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages, engine_cfg.page_size, kv_dtype)
-        fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size)
+        # the head's attention runs on the target's kernels (its linear maps follow its weights: unpacked, XLA dots)
+        fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size, runner.backends)
         self.runner = ProposerRunner(fn, host, kv, shared=runner.weights.embed)
         self._layouts: dict[Bucket, Layout] = {}
         logger.info(
