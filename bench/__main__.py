@@ -1,4 +1,5 @@
-"""`python -m bench SUBCOMMAND`: the jaxserve benchmark suite. Each subcommand writes docs/benchmarks/NAME.{json,md,png}.
+"""`python -m bench SUBCOMMAND`: the jaxserve benchmark suite. Each subcommand writes
+docs/benchmarks/NAME.{json,md,png}.
 
     throughput  offline ShareGPT throughput: jaxserve continuous vs static batching vs HF / vLLM-CPU
     serve       Poisson load on OpenAI-compatible servers: TTFT / TPOT / ITL percentiles, goodput, errors

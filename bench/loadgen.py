@@ -124,7 +124,8 @@ class OpenAICompletionsClient:
 
 
 def arrival_times(num: int, rate: float, seed: int = 0) -> list[float]:
-    """Send offsets in s of `num` requests: a Poisson process of `rate` requests/s (exponential gaps); inf = all at 0."""
+    """Send offsets in s of `num` requests: a Poisson process of `rate` requests/s (exponential gaps);
+    inf = all at 0."""
     if rate <= 0:
         raise ValueError(f"request rate must be > 0 requests/s, or inf for all at once (got {rate})")
     if math.isinf(rate):

@@ -28,8 +28,10 @@ from tiny_models import make_tiny_model
 n, max_tokens, lp, model = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 if not os.path.exists(os.path.join(model, "config.json")):
     make_tiny_model("llama_gqa", model)
-llm = LLM(model, max_num_seqs=n, max_num_batched_tokens=64, page_size=16, max_model_len=max_tokens + 64, precompile=False)
-p = SamplingParams(n=n, temperature=1.0, seed=1, max_tokens=max_tokens, ignore_eos=True, logprobs=None if lp == "none" else int(lp))
+llm = LLM(model, max_num_seqs=n, max_num_batched_tokens=64, page_size=16, max_model_len=max_tokens + 64,
+          precompile=False)
+p = SamplingParams(n=n, temperature=1.0, seed=1, max_tokens=max_tokens, ignore_eos=True,
+                   logprobs=None if lp == "none" else int(lp))
 llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=4), use_tqdm=False)  # compile
 t = time.perf_counter()
 out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, p, use_tqdm=False)
@@ -61,7 +63,8 @@ def run(args) -> None:
             for lp in results[name]:
                 res = _worker(root, args, lp)
                 results[name][lp].append(res["seconds"])
-                print(f"round {r + 1} {name:14s} logprobs={lp:4s} {res['seconds']:7.2f} s ({res['tokens']} tokens)", flush=True)
+                print(f"round {r + 1} {name:14s} logprobs={lp:4s} {res['seconds']:7.2f} s ({res['tokens']} tokens)",
+                      flush=True)
     rows = []
     for name, by_lp in results.items():
         plain, with_lp = min(by_lp["none"]), min(by_lp[str(args.logprobs)])

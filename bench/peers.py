@@ -36,7 +36,9 @@ def has_module(name: str) -> bool:
 def hf_missing() -> str | None:
     """None when HF transformers can run here, else what to install."""
     missing = [m for m in ("torch", "transformers", "accelerate") if not has_module(m)]
-    return f"HF transformers peer skipped: {', '.join(missing)} not installed (scripts/install_peers.sh hf)" if missing else None
+    if not missing:
+        return None
+    return f"HF transformers peer skipped: {', '.join(missing)} not installed (scripts/install_peers.sh hf)"
 
 
 def default_gguf() -> str:
@@ -96,7 +98,8 @@ def llamacpp_gguf() -> tuple[str | None, str]:
             os.replace(out + ".tmp", out)
             return out, "F16 GGUF of the same weights"
         print(f"[peers] F16 GGUF conversion failed, using Q4_1: {r.stderr[-500:]}", flush=True)
-    return default_gguf(), "Q4_1 GGUF (jaxserve runs the same weights dequantized to fp32; the F16 conversion was not available)"
+    return default_gguf(), ("Q4_1 GGUF (jaxserve runs the same weights dequantized to fp32; "
+                            "the F16 conversion was not available)")
 
 
 def llama_server_binary() -> str | None:

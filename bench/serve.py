@@ -22,8 +22,16 @@ import shlex
 import statistics
 
 from bench import plots
-from bench.common import (LOG_DIR, OUT_DIR, args_record, command_line, machine_info, machine_line, md_table,
-                          write_outputs)
+from bench.common import (
+    LOG_DIR,
+    OUT_DIR,
+    args_record,
+    command_line,
+    machine_info,
+    machine_line,
+    md_table,
+    write_outputs,
+)
 from bench.loadgen import LoadRequest, OpenAICompletionsClient, metrics, run_load
 
 SCALARS = ("request_throughput", "output_tok_s", "goodput", "slo_attainment", "failed")
@@ -38,7 +46,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="http: OpenAI /v1/completions SSE (every engine); grpc: jaxserve.v1 Generate (jaxserve only)")
     ap.add_argument("--model-name", default="smollm2", help="model name sent with --url")
     ap.add_argument("--extra", default='{"ignore_eos": true}', help="JSON merged into each request with --url")
-    ap.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, math.inf], help="requests/s; inf = all at once")
+    ap.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, math.inf],
+                    help="requests/s; inf = all at once")
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
     ap.add_argument("--random-input-len", type=int, default=128)

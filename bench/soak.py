@@ -1,4 +1,5 @@
-"""Chaos soak: hundreds of concurrent streams with cancels, deadlines and disconnects against a `jaxserve serve` process.
+"""Chaos soak: hundreds of concurrent streams with cancels, deadlines and disconnects against a `jaxserve serve`
+process.
 
 One `jaxserve serve` child process (bench.servers) runs with its KV cache squeezed (so preemption is constant) and
 n-gram speculation on. The soak then keeps `concurrency` requests in flight for `duration_s` over OpenAI HTTP
@@ -31,7 +32,16 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 
-from bench.common import LOG_DIR, OUT_DIR, args_record, command_line, machine_info, machine_line, md_table, write_outputs
+from bench.common import (
+    LOG_DIR,
+    OUT_DIR,
+    args_record,
+    command_line,
+    machine_info,
+    machine_line,
+    md_table,
+    write_outputs,
+)
 from bench.soak_clients import CHAOS_KINDS, OUTCOMES, GrpcClients, HttpClient, Plan, Result
 
 PROTOCOLS = ("http-completions", "http-chat", "grpc", "kserve")
@@ -120,7 +130,8 @@ def make_plan(cfg: SoakConfig, rng: random.Random, n: int, prompts: list[str]) -
                 deadline_s=rng.uniform(*cfg.deadline_s))
     if not greedy:
         truncate = rng.random() < cfg.truncation_fraction
-        plan = replace(plan, temperature=round(rng.uniform(0.5, 1.2), 2), seed=rng.choice((None, rng.randrange(1 << 31))),
+        plan = replace(plan, temperature=round(rng.uniform(0.5, 1.2), 2),
+                       seed=rng.choice((None, rng.randrange(1 << 31))),
                        top_p=0.9 if truncate else 1.0, top_k=rng.choice((0, 40)) if truncate else 0)
     return plan
 
@@ -329,11 +340,13 @@ async def soak(cfg: SoakConfig, base_url: str, grpc_target: str, model: str, pid
         tail_s = time.monotonic() - t0 - load_s
 
         idle, idle_s = await wait_idle(base_url, cfg.idle_timeout_s)
-        rechecked, recheck_failures = await references(clients, prompts, cfg, range(min(cfg.recheck_prompts, len(prompts))))
+        rechecked, recheck_failures = await references(clients, prompts, cfg,
+                                                       range(min(cfg.recheck_prompts, len(prompts))))
         healthy = await health(base_url, grpc_target)
 
     window = max(3 * cfg.sample_interval_s, min(10.0, cfg.warmup_s / 2))
-    rss_base, rss_end = sampler.rss_median(cfg.warmup_s - window, cfg.warmup_s), sampler.rss_median(load_s - window, load_s)
+    rss_base = sampler.rss_median(cfg.warmup_s - window, cfg.warmup_s)
+    rss_end = sampler.rss_median(load_s - window, load_s)
     return dict(
         prompts=prompts, refs=refs, reference_s=ref_s,
         reference_failures=[f"{r.plan.id}: {r.outcome} {r.detail}" for r in ref_failures + recheck_failures],
@@ -382,7 +395,8 @@ def analyse(raw: dict, cfg: SoakConfig, exit_code: int | None) -> dict:
     total = {k: sum(row[k] for row in by_protocol.values()) for k in next(iter(by_protocol.values()))}
     violations = [f"{r.plan.id} ({r.plan.protocol}, chaos {r.plan.chaos}): {r.detail}"
                   for r in results if r.outcome == "violation" or r.outcome is None]
-    errors = [f"{r.plan.id} ({r.plan.protocol}): {r.detail}" for r in results if r.outcome == "error" and not _overload(r.detail)]
+    errors = [f"{r.plan.id} ({r.plan.protocol}): {r.detail}"
+              for r in results if r.outcome == "error" and not _overload(r.detail)]
 
     def delta(name: str) -> float:
         return metric_sum(after, name) - metric_sum(before, name)
@@ -413,7 +427,8 @@ def analyse(raw: dict, cfg: SoakConfig, exit_code: int | None) -> dict:
          + (f"; reference failures: {raw['reference_failures'][:2]}" if raw["reference_failures"] else "")
          + (f"; {mismatches[0]}" if mismatches else "")),
         ("no leaked requests or KV pages", all(after.get(g) == 0 for g in IDLE_GAUGES),
-         ", ".join(f"{g.removeprefix('jaxserve_')} {after.get(g)}" for g in IDLE_GAUGES) + f" after {raw['idle_s']:.1f} s"),
+         ", ".join(f"{g.removeprefix('jaxserve_')} {after.get(g)}" for g in IDLE_GAUGES)
+         + f" after {raw['idle_s']:.1f} s"),
         (f"RSS growth < {100 * cfg.rss_growth_limit:g}% after warm-up", rss["growth"] < cfg.rss_growth_limit,
          f"{rss['base'] / mib:.0f} MiB at {cfg.warmup_s:g} s -> {rss['end'] / mib:.0f} MiB at the end "
          f"({100 * rss['growth']:+.2f}%), peak {rss['peak'] / mib:.0f} MiB"),
@@ -424,7 +439,8 @@ def analyse(raw: dict, cfg: SoakConfig, exit_code: int | None) -> dict:
         ("KV squeezed: preemptions > 0", server["preemptions"] > 0, f"{server['preemptions']:.0f} preemptions"),
         ("speculation ran: draft tokens > 0", server["draft_tokens"] > 0,
          f"{server['accepted_tokens']:.0f} of {server['draft_tokens']:.0f} draft tokens accepted"),
-        (f"load reached: server in-flight peak >= 0.8 x {cfg.concurrency}", server["peak_in_flight"] >= 0.8 * cfg.concurrency,
+        (f"load reached: server in-flight peak >= 0.8 x {cfg.concurrency}",
+         server["peak_in_flight"] >= 0.8 * cfg.concurrency,
          f"peak {server['peak_in_flight']:.0f} in flight, {server['mean_running']:.1f} running on average"),
         ("server counts consistent", server["admitted"] <= total["sent"] and server["finished"] <= server["admitted"]
          and server_completed >= total["completed"],
@@ -459,10 +475,12 @@ def report(record: dict) -> str:
     srv = s["server"]
     md = [f"# Chaos soak: {cfg['concurrency']} concurrent streams for {s['load_s']:.0f} s", "",
           f"Server: `jaxserve serve {' '.join(record['server_args'])}`. "
-          f"{100 * cfg['chaos_fraction']:g}% of requests ended early, {100 * cfg['greedy_fraction']:g}% greedy (checked "
+          f"{100 * cfg['chaos_fraction']:g}% of requests ended early, {100 * cfg['greedy_fraction']:g}% greedy "
+          f"(checked "
           f"against {s['references']} references sent alone before the load), {len(s['prompt_chars'])} prompts of "
           f"{min(s['prompt_chars'])}-{max(s['prompt_chars'])} characters ({cfg['prompt_source']}), sampled max_tokens "
-          f"1-{cfg['max_output_len']}, greedy max_tokens {' or '.join(map(str, cfg['greedy_lengths']))}. Load {s['load_s']:.0f} s, then "
+          f"1-{cfg['max_output_len']}, greedy max_tokens {' or '.join(map(str, cfg['greedy_lengths']))}. "
+          f"Load {s['load_s']:.0f} s, then "
           f"{s['tail_s']:.0f} s for the last requests to end.", "",
           checks_table(s), "",
           md_table(["protocol", "sent", "completed", "cancelled", "clean errors", "violations", "greedy compared",
@@ -472,7 +490,8 @@ def report(record: dict) -> str:
           f"Server counters over the load: {srv['admitted']:.0f} admitted, finished by reason "
           f"{ {k: int(v) for k, v in srv['finished_by_reason'].items()} }, {srv['rejected']:.0f} rejected, "
           f"{srv['preemptions']:.0f} preemptions, {srv['generation_tokens']:.0f} tokens generated "
-          f"({srv['generation_tokens'] / (s['load_s'] + s['tail_s']):.0f} tok/s over load and tail), n-gram drafts {srv['accepted_tokens']:.0f} / "
+          f"({srv['generation_tokens'] / (s['load_s'] + s['tail_s']):.0f} tok/s over load and tail), "
+          f"n-gram drafts {srv['accepted_tokens']:.0f} / "
           f"{srv['draft_tokens']:.0f} accepted; peak {srv['peak_in_flight']:.0f} requests in flight, "
           f"{srv['mean_running']:.1f} running on average.", ""]
     md += ["Reproduce:", "", f"    {record['command']}", "", machine_line(record["machine"]), ""]
@@ -530,7 +549,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-output-len", type=int, default=d.max_output_len)
     ap.add_argument("--truncation-fraction", type=float, default=d.truncation_fraction,
                     help="of sampled requests with top_p 0.9 / top_k 40 (slow on CPU: see docs/reliability.md)")
-    ap.add_argument("--warmup", type=float, default=None, help="s of load before the RSS baseline (default: 20%%, <= 60)")
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="s of load before the RSS baseline (default: 20%%, <= 60)")
     ap.add_argument("--recheck-prompts", type=int, default=d.recheck_prompts)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")

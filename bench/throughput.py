@@ -75,9 +75,11 @@ def run_hf(reqs: list[BenchRequest], batch: int) -> dict:
             group = reqs[i : i + batch]
             width = max(len(r.prompt_token_ids) for r in group)
             ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in group])
-            mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r.prompt_token_ids) for r in group])[:, None]).long()
+            starts = torch.tensor([width - len(r.prompt_token_ids) for r in group])
+            mask = (torch.arange(width)[None, :] >= starts[:, None]).long()
             new = max(r.output_len for r in group)
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=pad)
             useful += sum(r.output_len for r in group)
             generated += new * len(group)
     wall = time.perf_counter() - t0

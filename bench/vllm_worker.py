@@ -17,9 +17,8 @@ RESULT_PREFIX = "BENCH_RESULT "  # vLLM logs to stdout too: the result is the li
 
 def main() -> None:
     job = json.loads(sys.stdin.read())
-    from vllm import LLM, SamplingParams
-
     import vllm
+    from vllm import LLM, SamplingParams
 
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job.get("max_num_seqs", 16), enforce_eager=True, enable_prefix_caching=False, seed=0)

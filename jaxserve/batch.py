@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import jax

@@ -41,7 +41,8 @@ def engine_flags(args: argparse.Namespace) -> dict:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or an HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
@@ -49,7 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"])
+    p.add_argument("--kv-cache-dtype", default=None,
+                   choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"])
     p.add_argument(
         "--speculative-config",
         type=_json_object,
@@ -87,7 +89,8 @@ def _generate(args: argparse.Namespace) -> int:
     for out in outputs:
         for c in out.outputs:
             if args.json:
-                record = {"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                record = {"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
+                          "finish_reason": c.finish_reason}
                 print(json.dumps(record))
             else:
                 print(f"{out.prompt}{c.text}")
@@ -119,7 +122,8 @@ def build_parser(epilog: str | None = None) -> tuple[argparse.ArgumentParser, ar
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; a request or configuration error prints one line and exits 2."""
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:

@@ -48,7 +48,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {self.architecture!r}; "
+                f"jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -123,14 +124,18 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})"
+            )
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
-                f"speculative_config.num_speculative_tokens must be an integer in [1, 16] (got {self.num_speculative_tokens!r})"
+                "speculative_config.num_speculative_tokens must be an integer in [1, 16] "
+                f"(got {self.num_speculative_tokens!r})"
             )
         if self.method in ("draft_model", "eagle3") and not self.model:
             raise ValueError(
-                f"speculative_config.model (the draft model's or EAGLE-3 head's path) is required for method {self.method!r}"
+                "speculative_config.model (the draft model's or EAGLE-3 head's path) is required for method "
+                f"{self.method!r}"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
@@ -143,7 +148,9 @@ class SpeculativeConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         missing = [k for k in ("method", "num_speculative_tokens") if k not in values]
         if missing:
             raise ValueError(f"speculative_config needs {', '.join(missing)}")
@@ -199,7 +206,9 @@ class EngineConfig:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16 (got {self.dtype!r})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1 (got {self.kv_cache_memory_bytes})")
         if self.num_pages is not None and self.num_pages < 2:
@@ -238,7 +247,9 @@ class EngineConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"{source}: unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"{source}: unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         values = dict(values)
         for key in ("token_buckets", "page_buckets"):
             if key in values:

@@ -80,7 +80,8 @@ class LLMEngine:
         p = self.inputs.process(prompt, params, priority)
         now = time.time()
         seqs = [
-            Sequence(next(self._seq_ids), request_id, i, list(p.token_ids), params, p.max_tokens, now, priority=priority)
+            Sequence(next(self._seq_ids), request_id, i, list(p.token_ids), params, p.max_tokens, now,
+                     priority=priority)
             for i in range(params.n)
         ]
         self.requests[request_id] = self.output.new_request(request_id, p.text, p.token_ids, params, seqs)
@@ -183,7 +184,8 @@ class LLMEngine:
             self.spec.record_step(bucket, sum(w.num_tokens for w in work), run_seconds)
         return outputs
 
-    def _process(self, work: list[ScheduledWork], out: SamplerOutput, failed: list[RequestOutput]) -> list[RequestOutput]:
+    def _process(self, work: list[ScheduledWork], out: SamplerOutput,
+                 failed: list[RequestOutput]) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, Request] = {}
         starts = [w.seq.num_computed_tokens for w in work]

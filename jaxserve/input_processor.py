@@ -52,7 +52,8 @@ class InputProcessor:
                 )
         if not isinstance(prompt, str):
             raise InvalidRequestError(
-                f"prompt must be a string or a dict with 'prompt_token_ids' (got {type(prompt).__name__})", "prompt", "type"
+                f"prompt must be a string or a dict with 'prompt_token_ids' (got {type(prompt).__name__})", "prompt",
+                "type"
             )
         if self.tokenizer is None:
             raise InvalidRequestError(
@@ -69,7 +70,8 @@ class InputProcessor:
             raise InvalidRequestError("prompt is empty: it must contain at least one token", "prompt", "empty")
         if len(ids) >= limit:
             raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens but max_model_len is {limit}: it must be shorter to leave room for output",
+                f"prompt has {len(ids)} tokens but max_model_len is {limit}: "
+                "it must be shorter to leave room for output",
                 "prompt", "too_long",
             )
         bad = [t for t in ids if not 0 <= t < V]
@@ -85,10 +87,12 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.cfg.max_logprobs:
-                raise InvalidRequestError(f"{name} must be <= max_logprobs={self.cfg.max_logprobs} (got {k})", name, "range")
+                raise InvalidRequestError(f"{name} must be <= max_logprobs={self.cfg.max_logprobs} (got {k})", name,
+                                          "range")
         if params.min_tokens and len(self.stop_ids(params)) > MAX_BANNED:
             raise InvalidRequestError(
-                f"with min_tokens, at most {MAX_BANNED} EOS + stop_token_ids can be suppressed", "min_tokens", "conflict"
+                f"with min_tokens, at most {MAX_BANNED} EOS + stop_token_ids can be suppressed", "min_tokens",
+                "conflict"
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer (got {priority!r})", "priority", "type")

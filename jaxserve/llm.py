@@ -27,7 +27,9 @@ class LLM:
                 engine_args["max_model_len"] = 1 << 30  # capped at the model's context length
             engine_config = EngineConfig.from_dict(engine_args, "LLM()")
         elif engine_args:
-            raise ValueError(f"pass engine options either in engine_config or as arguments, not both: {sorted(engine_args)}")
+            raise ValueError(
+                f"pass engine options either in engine_config or as arguments, not both: {sorted(engine_args)}"
+            )
         self.llm_engine = LLMEngine(model, engine_config)
         self._ids = itertools.count()
 
@@ -50,7 +52,8 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         priority = [0] * len(prompts) if priority is None else list(priority)
@@ -104,6 +107,7 @@ class LLM:
         prompts = []
         for conv in conversations:
             # Message content is tokenized as plain text (no role forging); the template writes any BOS itself.
-            text, ids = tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            text, ids = tokenizer.encode_chat(conv, add_generation_prompt=add_generation_prompt,
+                                              chat_template=chat_template)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

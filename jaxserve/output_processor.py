@@ -67,7 +67,8 @@ class OutputProcessor:
 
     # ---- one step's tokens ----------------------------------------------------------------------------------
 
-    def append_tokens(self, req: Request, w: ScheduledWork, out: SamplerOutput, row0: int, now: float) -> tuple[int, int]:
+    def append_tokens(self, req: Request, w: ScheduledWork, out: SamplerOutput, row0: int,
+                      now: float) -> tuple[int, int]:
         """Append the step's tokens for one sequence (the verified walk over its draft rows).
         Returns (accepted drafts, tokens emitted); the sequence may have finished."""
         seq = w.seq
@@ -125,7 +126,8 @@ class OutputProcessor:
                     row = t + i
                     target = seq.prompt_token_ids[pos]
                     seq.prompt_logprobs.append(
-                        _top(lp.top_ids[row], lp.top_logprobs[row], k, target, float(lp.logprobs[row]), int(lp.ranks[row]))
+                        _top(lp.top_ids[row], lp.top_logprobs[row], k, target, float(lp.logprobs[row]),
+                             int(lp.ranks[row]))
                     )
             t += w.num_tokens
 
@@ -168,7 +170,8 @@ class OutputProcessor:
         prompt_logprobs = None
         if req.params.prompt_logprobs is not None:
             built = req.prompt_logprobs
-            built.extend(None if top is None else self._logprob_dict(top) for top in first.prompt_logprobs[len(built) :])
+            built.extend(None if top is None else self._logprob_dict(top)
+                         for top in first.prompt_logprobs[len(built) :])
             prompt_logprobs = list(built)
         return RequestOutput(
             request_id=req.request_id,

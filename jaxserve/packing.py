@@ -58,7 +58,9 @@ def _to_int32(a, dtype: str):
 
 def _from_int32(a, dtype: str):
     if dtype in ("float32", "uint32"):
-        return np.ascontiguousarray(a).view(dtype) if isinstance(a, np.ndarray) else jax.lax.bitcast_convert_type(a, jnp.dtype(dtype))
+        if isinstance(a, np.ndarray):
+            return np.ascontiguousarray(a).view(dtype)
+        return jax.lax.bitcast_convert_type(a, jnp.dtype(dtype))
     return a != 0 if dtype == "bool" else a
 
 

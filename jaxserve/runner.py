@@ -63,7 +63,8 @@ def step_fn(
         out = (rows.pack(sampled), None)
     else:
         all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
-        sampled = sample(all_logits[inputs.logits_indices], batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids)
+        sampled = sample(all_logits[inputs.logits_indices], batch.sampling, max_logprobs=max_logprobs,
+                         draft_ids=batch.draft_ids)
         lp = prompt_logprobs(all_logits, batch.prompt_targets, max_logprobs=max_logprobs)
         out = (rows.pack(sampled), prompt_rows.pack(lp))
     if hidden_layer_ids:
@@ -96,7 +97,8 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         self.kv_dtype = jnp.dtype(kv_storage_dtype(engine_cfg.kv_cache_dtype, dtype))
         enable_compilation_cache()
-        self.scan_layers = engine_cfg.scan_layers if engine_cfg.scan_layers is not None else jax.default_backend() != "cpu"
+        self.scan_layers = (engine_cfg.scan_layers if engine_cfg.scan_layers is not None
+                            else jax.default_backend() != "cpu")
         if not self.scan_layers:
             host_weights = unstack_layers(host_weights)  # `forward` unrolls the layers
         self.backends = backends or ops.resolve_backends(engine_cfg, dtype, self.scan_layers)
@@ -147,7 +149,8 @@ class ModelRunner:
         ids = jax.ShapeDtypeStruct((1,), jnp.int32)
         draft_ids = ids if self.engine_cfg.speculative_config is not None else None
         sampled = jax.eval_shape(
-            functools.partial(sample, max_logprobs=k), logits, _structs(SamplingInputs.neutral(1, 1)), draft_ids=draft_ids
+            functools.partial(sample, max_logprobs=k), logits, _structs(SamplingInputs.neutral(1, 1)),
+            draft_ids=draft_ids
         )
         lp = jax.eval_shape(functools.partial(prompt_logprobs, max_logprobs=k), logits, ids)
         return RowLayout.of(sampled), RowLayout.of(lp)
@@ -180,7 +183,8 @@ class ModelRunner:
             exe = self._jitted.lower(self.weights, self.kv, packed, layout=lay).compile()
             self._executables[key] = exe
             self.num_compiles += 1
-            logger.info("compiled %s%s in %.1f s", bucket, " (prompt logprobs)" if prompt_logprobs else "", time.perf_counter() - t0)
+            logger.info("compiled %s%s in %.1f s", bucket, " (prompt logprobs)" if prompt_logprobs else "",
+                        time.perf_counter() - t0)
         return exe
 
     def warmup(self, buckets: list[Bucket] | None = None, progress: bool = True) -> None:

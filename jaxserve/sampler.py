@@ -169,7 +169,8 @@ def sample(
         return ranks, top_ids.astype(jnp.int32), top_logprobs
 
     def unranked(raw, chosen):
-        return jnp.zeros((S,), jnp.int32), jnp.zeros((S, max_logprobs), jnp.int32), jnp.zeros((S, max_logprobs), jnp.float32)
+        return (jnp.zeros((S,), jnp.int32), jnp.zeros((S, max_logprobs), jnp.int32),
+                jnp.zeros((S, max_logprobs), jnp.float32))
 
     ranks, top_ids, top_logprobs = jax.lax.cond(jnp.any(s.wants_logprobs), ranked, unranked, raw, chosen)
     return SamplerOutput(

@@ -99,7 +99,8 @@ class Tokenizer:
         that rewrites content (so the markers cannot be found) is refused only when the content holds special-token
         text.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        chat_template=chat_template)
         enc = self._tok.encode(text, add_special_tokens=False)
         if allow_special_tokens_in_content:
             return text, enc.ids
@@ -154,7 +155,8 @@ class Tokenizer:
                     values.append(m[key])
                     m[key] = f"\x00{nonce}:{len(values) - 1}\x00"
             marked.append(m)
-        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt,
+                                            chat_template=chat_template)
         pieces = rendered.split(f"\x00{nonce}:")
         spans, out, pos = [], [pieces[0]], len(pieces[0])
         for piece in pieces[1:]:
@@ -220,7 +222,8 @@ def _special_id(tok: tokenizers.Tokenizer, value) -> int | None:
     return tok.token_to_id(value)
 
 
-def load_hf_tokenizer(path: str, eos_token_ids: Sequence[int] = (), bos_token_id: int | None = None) -> Tokenizer | None:
+def load_hf_tokenizer(path: str, eos_token_ids: Sequence[int] = (),
+                      bos_token_id: int | None = None) -> Tokenizer | None:
     """Tokenizer from an HF directory, or None if it holds no `tokenizer.json`."""
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):

@@ -70,18 +70,23 @@ class _EngineCollector:
         s = self.serving.stats()
         for name, doc, value in (
             ("num_requests_running", "Sequences running in the engine.", s["num_requests_running"]),
-            ("num_requests_waiting", "Sequences queued in the engine, waiting for a seat or KV pages.", s["num_requests_waiting"]),
-            ("num_requests_in_flight", "Requests admitted by the server and not finished.", s["num_requests_in_flight"]),
+            ("num_requests_waiting", "Sequences queued in the engine, waiting for a seat or KV pages.",
+             s["num_requests_waiting"]),
+            ("num_requests_in_flight", "Requests admitted by the server and not finished.",
+             s["num_requests_in_flight"]),
             ("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0..1).", s["kv_cache_usage"]),
-            ("prefix_cache_hit_rate", "Fraction of looked-up prompt tokens served from the prefix cache.", s["prefix_cache_hit_rate"]),
+            ("prefix_cache_hit_rate", "Fraction of looked-up prompt tokens served from the prefix cache.",
+             s["prefix_cache_hit_rate"]),
             ("ready", "1 while the server is ready to serve.", float(self.serving.ready)),
         ):
             yield GaugeMetricFamily(f"jaxserve_{name}", doc, value=value)
-        c = CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recompute).", value=s["num_preemptions"])
+        c = CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recompute).",
+                                value=s["num_preemptions"])
         yield c
         if "spec_decode_acceptance_rate" in s:  # present when the engine runs speculative decoding
             yield GaugeMetricFamily(
-                "jaxserve_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", value=s["spec_decode_acceptance_rate"]
+                "jaxserve_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.",
+                value=s["spec_decode_acceptance_rate"]
             )
             yield GaugeMetricFamily(
                 "jaxserve_spec_decode_mean_acceptance_length",
@@ -165,15 +170,20 @@ class ServingEngine:
         self._watchdog: asyncio.Task | None = None
 
         self.registry = CollectorRegistry()
-        self.m_requests = Counter("jaxserve_requests", "Requests admitted, by protocol.", ["protocol"], registry=self.registry)
+        self.m_requests = Counter("jaxserve_requests", "Requests admitted, by protocol.", ["protocol"],
+                                  registry=self.registry)
         self.m_finished = Counter(
-            "jaxserve_request_success", "Finished requests, by finish reason.", ["finished_reason"], registry=self.registry
+            "jaxserve_request_success", "Finished requests, by finish reason.", ["finished_reason"],
+            registry=self.registry
         )
-        self.m_rejected = Counter("jaxserve_requests_rejected", "Requests refused, by reason.", ["reason"], registry=self.registry)
-        self.m_prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry)
+        self.m_rejected = Counter("jaxserve_requests_rejected", "Requests refused, by reason.", ["reason"],
+                                  registry=self.registry)
+        self.m_prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests.",
+                                       registry=self.registry)
         self.m_generation_tokens = Counter("jaxserve_generation_tokens", "Generated tokens.", registry=self.registry)
         self.m_ttft = Histogram(
-            "jaxserve_time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS, registry=self.registry
+            "jaxserve_time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS,
+            registry=self.registry
         )
         self.m_tpot = Histogram(
             "jaxserve_time_per_output_token_seconds",
@@ -182,7 +192,8 @@ class ServingEngine:
             registry=self.registry,
         )
         self.m_e2e = Histogram(
-            "jaxserve_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=self.registry
+            "jaxserve_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS,
+            registry=self.registry
         )
         self.registry.register(_EngineCollector(self))
 
@@ -249,7 +260,8 @@ class ServingEngine:
                 )
             if params.max_tokens is not None and n + params.max_tokens > limit:
                 raise InvalidRequest(
-                    f"this model's maximum context length is {limit} tokens; the request asks for {n + params.max_tokens} "
+                    f"this model's maximum context length is {limit} tokens; "
+                    f"the request asks for {n + params.max_tokens} "
                     f"({n} in the prompt, max_tokens={params.max_tokens}): lower max_tokens or shorten the prompt",
                     "max_tokens",
                 )
@@ -278,7 +290,8 @@ class ServingEngine:
             self._last_steps, self._last_progress = steps, now
         stalled = now - self._last_progress > self.stall_timeout_s
         if stalled and self._ready:
-            logger.error("engine made no step for %.1f s with %d requests in flight", now - self._last_progress, len(self._in_flight))
+            logger.error("engine made no step for %.1f s with %d requests in flight", now - self._last_progress,
+                         len(self._in_flight))
         ready = self.llm.is_running and not self.draining and not stalled
         if ready != self._ready:
             self._ready = ready
@@ -396,7 +409,8 @@ class ServingEngine:
             await asyncio.wait_for(self._idle.wait(), grace_s)
             return True
         except asyncio.TimeoutError:
-            logger.warning("drain: %d requests still running after %.1f s; aborting them", len(self._in_flight), grace_s)
+            logger.warning("drain: %d requests still running after %.1f s; aborting them", len(self._in_flight),
+                           grace_s)
             for rid in list(self._in_flight):
                 await self.llm.abort(rid)
             try:

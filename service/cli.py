@@ -26,7 +26,8 @@ def api_key_from(flag: str | None, environ) -> str | None:
     """The API key to require: `--api-key` if given (with a warning: every local user can read a command line in
     `ps`), else `$JAXSERVE_API_KEY`, the recommended way; None (no key) when neither is set or both are empty."""
     if flag:
-        print("jaxserve: warning: --api-key is visible to every local user (ps, /proc); prefer $JAXSERVE_API_KEY", file=sys.stderr)
+        print("jaxserve: warning: --api-key is visible to every local user (ps, /proc); prefer $JAXSERVE_API_KEY",
+              file=sys.stderr)
         return flag
     return environ.get("JAXSERVE_API_KEY") or None
 
@@ -77,7 +78,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     name = args.served_model_name
     if name is None:
-        name = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0] if args.model else "SmolLM2-135M-Instruct"
+        name = (os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0] if args.model
+                else "SmolLM2-135M-Instruct")
     api_key = api_key_from(args.api_key, os.environ)
     llm = AsyncLLM(args.model, engine_config)
     serving = ServingEngine(llm, name, limits, stall_timeout_s=args.stall_timeout)
@@ -96,7 +98,8 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the model over gRPC (jaxserve.v1, KServe v2) and OpenAI-compatible HTTP")
     add_engine_args(s)
-    s.add_argument("--config", default=None, help="engine YAML (configs/engine/*.yaml); flags given explicitly override it")
+    s.add_argument("--config", default=None,
+                   help="engine YAML (configs/engine/*.yaml); flags given explicitly override it")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--grpc-port", type=int, default=50051, help="0 = any free port, -1 = no gRPC server")
     s.add_argument("--http-port", type=int, default=8000, help="0 = any free port, -1 = no HTTP server")
@@ -109,12 +112,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     )
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve both endpoints over TLS")
     s.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
-    s.add_argument("--max-in-flight", type=int, default=256, help="admitted unfinished requests; more get 429 / RESOURCE_EXHAUSTED")
+    s.add_argument("--max-in-flight", type=int, default=256,
+                   help="admitted unfinished requests; more get 429 / RESOURCE_EXHAUSTED")
     s.add_argument("--max-n", type=int, default=16, help="largest n per request")
-    s.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens per request (default: max_model_len)")
+    s.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens per request (default: max_model_len)")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message / HTTP body")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
-    s.add_argument("--stall-timeout", type=float, default=30.0, help="health turns NOT_SERVING after this long without an engine step")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="health turns NOT_SERVING after this long without an engine step")
     s.set_defaults(func=functools.partial(_serve, parser=s))
     return s
 

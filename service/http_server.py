@@ -143,7 +143,8 @@ class OpenAIServer:
             if e.status < 400:
                 raise
             allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-            return _error_response(_HTTPError(f"{request.method} {short_repr(request.path)}: {e.reason}", e.status), allow)
+            return _error_response(_HTTPError(f"{request.method} {short_repr(request.path)}: {e.reason}", e.status),
+                                   allow)
         except Exception:
             if request.get(_STREAMING):  # the status line is sent already; the stream loop reported what it could
                 raise
@@ -154,7 +155,8 @@ class OpenAIServer:
     async def _auth(self, request: web.Request, handler):
         if self._key_digest is not None and request.path not in ("/health", "/openapi.json"):
             if not self._authorized(request.headers.get(hdrs.AUTHORIZATION, "")):
-                body = {"error": {"message": "missing or invalid API key", "type": "authentication_error", "param": None, "code": 401}}
+                body = {"error": {"message": "missing or invalid API key", "type": "authentication_error",
+                                  "param": None, "code": 401}}
                 return web.json_response(body, status=401, headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
@@ -214,7 +216,9 @@ class OpenAIServer:
         if model is not None and not isinstance(model, str):
             raise InvalidRequest(f"model must be a string (got {short_repr(model)})", "model")
         if model is not None and model != self.serving.model_name:
-            raise ModelNotFound(f"model {short_repr(model)} does not exist; this server serves {self.serving.model_name!r}", "model")
+            raise ModelNotFound(
+                f"model {short_repr(model)} does not exist; this server serves {self.serving.model_name!r}", "model"
+            )
         for name, harmless in unsupported.items():
             value = body.get(name)
             if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
@@ -222,7 +226,9 @@ class OpenAIServer:
         for name, kind in (("user", str), ("parallel_tool_calls", bool), ("allow_special_tokens_in_content", bool)):
             value = body.get(name)
             if value is not None and not isinstance(value, kind):
-                raise InvalidRequest(f"{name} must be a {'string' if kind is str else 'boolean'} (got {short_repr(value)})", name)
+                raise InvalidRequest(
+                    f"{name} must be a {'string' if kind is str else 'boolean'} (got {short_repr(value)})", name
+                )
 
     def _priority(self, body: dict) -> int:
         value = body.get("priority")
@@ -230,7 +236,8 @@ class OpenAIServer:
             return 0
         low, high = self.serving.limits.priority_range
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise InvalidRequest(f"priority must be an integer in [{low}, {high}] (got {short_repr(value)})", "priority")
+            raise InvalidRequest(f"priority must be an integer in [{low}, {high}] (got {short_repr(value)})",
+                                 "priority")
         return value
 
     @staticmethod
@@ -251,9 +258,11 @@ class OpenAIServer:
             if key not in ("include_usage", "continuous_usage_stats"):
                 raise InvalidRequest(f"unknown field stream_options.{short_repr(key)}", f"stream_options.{key[:100]}")
             if value is not None and not isinstance(value, bool):
-                raise InvalidRequest(f"stream_options.{key} must be a boolean (got {short_repr(value)})", f"stream_options.{key}")
+                raise InvalidRequest(f"stream_options.{key} must be a boolean (got {short_repr(value)})",
+                                     f"stream_options.{key}")
         if opts.get("continuous_usage_stats"):
-            raise InvalidRequest("stream_options.continuous_usage_stats is not supported by this server", "stream_options.continuous_usage_stats")
+            raise InvalidRequest("stream_options.continuous_usage_stats is not supported by this server",
+                                 "stream_options.continuous_usage_stats")
         return stream, bool(opts.get("include_usage"))
 
     def _sampling_fields(self, body: dict) -> dict:
@@ -270,7 +279,8 @@ class OpenAIServer:
         if not isinstance(raw, list) or not raw:
             raise InvalidRequest("prompt must be a string, a list of strings, or a list of token-id lists", "prompt")
         if len(raw) > limits.max_prompts:
-            raise InvalidRequest(f"prompt holds {len(raw)} prompts; the limit is {limits.max_prompts} per request", "prompt")
+            raise InvalidRequest(f"prompt holds {len(raw)} prompts; the limit is {limits.max_prompts} per request",
+                                 "prompt")
         for p in raw:  # a token list longer than the context is refused before its ids are looked at
             if isinstance(p, list) and len(p) > self.serving.max_model_len:
                 raise InvalidRequest(
@@ -297,12 +307,14 @@ class OpenAIServer:
             for c in out.outputs:
                 key = (i, c.index)
                 n_text, n_tok = prev.get(key, (0, 0))
-                if stream and len(c.text) == n_text and not c.finish_reason and (params.logprobs is None or len(c.token_ids) == n_tok):
+                if (stream and len(c.text) == n_text and not c.finish_reason
+                        and (params.logprobs is None or len(c.token_ids) == n_tok)):
                     continue  # nothing to show yet (e.g. half a UTF-8 character)
                 lp = _completion_logprobs(c, n_tok, n_text) if params.logprobs is not None else None
                 prev[key] = (len(c.text), len(c.token_ids))
                 result.append(
-                    {"index": i * params.n + c.index, "text": c.text[n_text:], "logprobs": lp, "finish_reason": c.finish_reason}
+                    {"index": i * params.n + c.index, "text": c.text[n_text:], "logprobs": lp,
+                     "finish_reason": c.finish_reason}
                 )
             return result
 
@@ -322,7 +334,8 @@ class OpenAIServer:
         fields, renames = self._sampling_fields(body), {}
         mct, mt = body.get("max_completion_tokens"), body.get("max_tokens")
         if mct is not None and mt is not None and mct != mt:
-            raise InvalidRequest("give max_completion_tokens or max_tokens (its deprecated name), not both", "max_tokens")
+            raise InvalidRequest("give max_completion_tokens or max_tokens (its deprecated name), not both",
+                                 "max_tokens")
         fields["max_tokens"] = mct if mct is not None else mt  # None: up to the context
         if mct is not None:
             renames["max_tokens"] = "max_completion_tokens"
@@ -347,7 +360,8 @@ class OpenAIServer:
             raise InvalidRequest("this model has no tokenizer, so it cannot render chat messages", "messages")
         try:
             text, ids = tok.encode_chat(
-                conv, add_generation_prompt=True, allow_special_tokens_in_content=bool(body.get("allow_special_tokens_in_content"))
+                conv, add_generation_prompt=True,
+                allow_special_tokens_in_content=bool(body.get("allow_special_tokens_in_content"))
             )
         except Exception as e:  # template errors (raise_exception on an unsupported role), refused special tokens
             raise InvalidRequest(f"cannot render messages with the chat template: {e}", "messages") from None
@@ -365,21 +379,30 @@ class OpenAIServer:
         limit, chars, conv = self.serving.limits.max_prompt_chars, 0, []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
-                raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content' (got {short_repr(m)})", "messages")
+                raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content' (got {short_repr(m)})",
+                                     "messages")
             role = m.get("role")
             if role not in ROLES:
-                legacy = " (function messages belong to the legacy functions API, which is not supported)" if role == "function" else ""
-                raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)} (got {short_repr(role)}){legacy}", "messages")
+                legacy = (" (function messages belong to the legacy functions API, which is not supported)"
+                          if role == "function" else "")
+                raise InvalidRequest(
+                    f"messages[{i}].role must be one of {', '.join(ROLES)} (got {short_repr(role)}){legacy}", "messages"
+                )
             for key in m:
                 if key not in ("role", "content", "name"):
                     raise InvalidRequest(f"messages[{i}].{short_repr(key)} is not supported by this server", "messages")
             content = m.get("content")
             if isinstance(content, list):  # content parts: only text is understood
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and len(p) == 2 for p in content):
-                    raise InvalidRequest(f"messages[{i}].content: only {{type: text, text}} parts are supported", "messages")
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           and len(p) == 2 for p in content):
+                    raise InvalidRequest(f"messages[{i}].content: only {{type: text, text}} parts are supported",
+                                         "messages")
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
-                raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts (got {short_repr(content)})", "messages")
+                raise InvalidRequest(
+                    f"messages[{i}].content must be a string or a list of text parts (got {short_repr(content)})",
+                    "messages",
+                )
             entry = {"role": role, "content": content}
             name = m.get("name")
             if name is not None:
@@ -405,7 +428,8 @@ class OpenAIServer:
                 key = (i, c.index)
                 first = key not in prev
                 n_text, n_tok = prev.get(key, (0, 0))
-                if stream and not first and len(c.text) == n_text and not c.finish_reason and (params.logprobs is None or len(c.token_ids) == n_tok):
+                if (stream and not first and len(c.text) == n_text and not c.finish_reason
+                        and (params.logprobs is None or len(c.token_ids) == n_tok)):
                     continue
                 lp = _chat_logprobs(c, n_tok, params.logprobs) if params.logprobs is not None else None
                 prev[key] = (len(c.text), len(c.token_ids))
@@ -446,7 +470,8 @@ class OpenAIServer:
                         finals[i] = out
                     item = await anext(merged, None)
                 body = dict(head)
-                body["choices"] = sorted((c for i, o in sorted(finals.items()) for c in choices(i, o, prev)), key=lambda c: c["index"])
+                body["choices"] = sorted((c for i, o in sorted(finals.items()) for c in choices(i, o, prev)),
+                                         key=lambda c: c["index"])
                 body["usage"] = _usage(finals.values())
                 return web.json_response(body)
 
@@ -560,7 +585,8 @@ def _chat_logprobs(c, start: int, k: int) -> dict:
                 "logprob": lp.logprob if lp is not None else None,
                 "bytes": list(tok.encode()),
                 "top_logprobs": [
-                    {"token": v.decoded_token or "", "logprob": v.logprob, "bytes": list((v.decoded_token or "").encode())}
+                    {"token": v.decoded_token or "", "logprob": v.logprob,
+                     "bytes": list((v.decoded_token or "").encode())}
                     for v in best
                 ],
             }

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -73,7 +72,8 @@ _INPUTS = {
     "return_num_input_tokens": "BOOL",
     "return_num_output_tokens": "BOOL",
 }
-_OUTPUTS = {"text_output": "BYTES", "finish_reason": "BYTES", "num_input_tokens": "UINT32", "num_output_tokens": "UINT32"}
+_OUTPUTS = {"text_output": "BYTES", "finish_reason": "BYTES", "num_input_tokens": "UINT32",
+            "num_output_tokens": "UINT32"}
 # Request parameters Triton reserves for itself; everything else in `parameters` is read as a sampling field.
 _RESERVED = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "binary_data_output")
 _MAX_SAMPLING_JSON = 64 << 10  # bytes of sampling_parameters: 16 stop strings of 256 characters fit many times over
@@ -111,14 +111,16 @@ def _input_value(req, index: int, tensor):
         c = tensor.contents
         values = list(c.bytes_contents) if datatype == "BYTES" else list(c.bool_contents)
     if len(values) != 1:
-        raise InvalidRequest(f"input {name!r} must hold exactly one element, as its shape says (got {len(values)})", name)
+        raise InvalidRequest(f"input {name!r} must hold exactly one element, as its shape says (got {len(values)})",
+                             name)
     return values[0]
 
 
 def _param_value(key: str, p):
     which = p.WhichOneof("parameter_choice")
     if which is None:
-        raise InvalidRequest(f"parameter {short(key)} has no value: set one of bool/int64/uint64/double/string_param", key)
+        raise InvalidRequest(f"parameter {short(key)} has no value: set one of bool/int64/uint64/double/string_param",
+                             key)
     return getattr(p, which)
 
 
@@ -132,7 +134,8 @@ def _sampling_json(raw: bytes) -> dict:
     except UnicodeDecodeError as e:
         raise InvalidRequest(f"{param} must be UTF-8 JSON: {e.reason} at byte {e.start}", param) from None
     except RecursionError:
-        raise InvalidRequest(f"{param} nests JSON too deep: it must be a flat object of sampling fields", param) from None
+        raise InvalidRequest(f"{param} nests JSON too deep: it must be a flat object of sampling fields",
+                             param) from None
     except ValueError as e:  # json.JSONDecodeError says where
         raise InvalidRequest(f"{param} is not valid JSON: {e}", param) from None
     if not isinstance(js, dict):
@@ -141,7 +144,8 @@ def _sampling_json(raw: bytes) -> dict:
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, BadNumber):
                 raise InvalidRequest(
-                    f"{key} must be a finite number, integers at most {_MAX_INT_DIGITS} digits (got {short(v.text)})", key
+                    f"{key} must be a finite number, integers at most {_MAX_INT_DIGITS} digits (got {short(v.text)})",
+                    key
                 )
             if isinstance(v, (dict, list)):
                 raise InvalidRequest(f"{param}: {short(key)} must be a string, number, boolean or a list of them", key)
@@ -173,9 +177,11 @@ class KServeServicer:
     def _check_model(self, name: str, version: str, fields: tuple[str, str] = ("model_name", "model_version")) -> None:
         s = self.serving
         if name != s.model_name:
-            raise ModelNotFound(f"{fields[0]}: no model {short(name)} here; this server serves {s.model_name!r}", fields[0])
+            raise ModelNotFound(f"{fields[0]}: no model {short(name)} here; this server serves {s.model_name!r}",
+                                fields[0])
         if version not in ("", "1"):
-            raise ModelNotFound(f"{fields[1]}: model {s.model_name!r} has no version {short(version)}, only '1'", fields[1])
+            raise ModelNotFound(f"{fields[1]}: model {s.model_name!r} has no version {short(version)}, only '1'",
+                                fields[1])
 
     # ---- metadata RPCs --------------------------------------------------------------------------------------
 
@@ -203,7 +209,8 @@ class KServeServicer:
             versions=["1"],
             platform="jaxserve",
             inputs=[T(name=n, datatype=d, shape=[1]) for n, d in _INPUTS.items()],
-            outputs=[T(name=n, datatype=d, shape=[1] if n == "num_input_tokens" else [-1]) for n, d in _OUTPUTS.items()],
+            outputs=[T(name=n, datatype=d,
+                       shape=[1] if n == "num_input_tokens" else [-1]) for n, d in _OUTPUTS.items()],
         )
 
     async def ModelConfig(self, request, context):
@@ -218,7 +225,8 @@ class KServeServicer:
             platform="jaxserve",
             backend="jaxserve",
             max_batch_size=0,
-            input=[M["ModelInput"](name=n, data_type=enum(types[d]), dims=[1], optional=n != "text_input") for n, d in _INPUTS.items()],
+            input=[M["ModelInput"](name=n, data_type=enum(types[d]), dims=[1],
+                                   optional=n != "text_input") for n, d in _INPUTS.items()],
             output=[M["ModelOutput"](name=n, data_type=enum(types[d]), dims=[-1]) for n, d in _OUTPUTS.items()],
             model_transaction_policy=M["ModelTransactionPolicy"](decoupled=True),
         )
@@ -265,7 +273,8 @@ class KServeServicer:
         stream = values.get("stream", False)
         exclude = values.get("exclude_input_in_output")
         if stream and exclude is False:
-            raise InvalidRequest("streaming with exclude_input_in_output=false is not supported", "exclude_input_in_output")
+            raise InvalidRequest("streaming with exclude_input_in_output=false is not supported",
+                                 "exclude_input_in_output")
         exclude = stream if exclude is None else exclude
         want = {o.name for o in req.outputs} or {"text_output"}
         unknown = sorted(want - set(_OUTPUTS))
@@ -403,7 +412,8 @@ class KServeServicer:
 def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:
     def unary(name, req, resp):
         return grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=M[req].FromString, response_serializer=M[resp].SerializeToString
+            getattr(servicer, name), request_deserializer=M[req].FromString,
+            response_serializer=M[resp].SerializeToString
         )
 
     handlers = {

@@ -17,7 +17,6 @@ Numeric ranges come from jaxserve.sampling_params, whose checks are the ones app
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from jaxserve.errors import short_repr
@@ -102,7 +101,9 @@ def _check_values(body: dict) -> None:
         value, top, path, depth = stack.pop()
         if isinstance(value, str):
             if not _encodable(value):
-                raise InvalidRequest(f"{_path(path)} contains an unpaired UTF-16 surrogate; strings must be valid Unicode", top)
+                raise InvalidRequest(
+                    f"{_path(path)} contains an unpaired UTF-16 surrogate; strings must be valid Unicode", top
+                )
         elif isinstance(value, BadNumber):
             raise InvalidRequest(
                 f"{_path(path)} must be a finite number, integers at most {_MAX_INT_DIGITS} digits "
@@ -262,7 +263,8 @@ def _chat_request(serving: "ServingEngine") -> dict:
         "required": ["role", "content"],
         "properties": {
             "role": {"type": "string", "enum": list(ROLES)},
-            "content": {"oneOf": [{"type": "string", "maxLength": lim.max_prompt_chars}, {"type": "array", "items": part}]},
+            "content": {"oneOf": [{"type": "string", "maxLength": lim.max_prompt_chars},
+                                  {"type": "array", "items": part}]},
             "name": {"type": "string"},
         },
         "additionalProperties": False,
@@ -378,10 +380,13 @@ def _generation(summary: str, request: str, response: str) -> dict:
     return {
         "post": {
             "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request}"}}}},
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request}"}}}},
             "responses": {
                 "200": {
-                    "description": "the completion; with stream: true, Server-Sent Events of chunks, then `data: [DONE]`",
+                    "description": (
+                        "the completion; with stream: true, Server-Sent Events of chunks, then `data: [DONE]`"
+                    ),
                     "content": {
                         "application/json": {"schema": {"$ref": f"#/components/schemas/{response}"}},
                         "text/event-stream": {"schema": _SSE_EVENT},
@@ -437,7 +442,8 @@ def openapi_schema(serving: "ServingEngine") -> dict:
                 "get": {
                     "summary": "Prometheus metrics",
                     "responses": {
-                        "200": {"description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                        "200": {"description": "text exposition format",
+                                "content": {"text/plain": {"schema": {"type": "string"}}}},
                         **_errors(401),
                     },
                 }

@@ -145,7 +145,8 @@ def build_sampling_params(
     except ValueError as e:  # SamplingParams' own checks: InvalidRequestError naming the field
         raise invalid_request(e, None) from None
     if params.top_k > vocab_size:
-        raise InvalidRequest(f"top_k must be <= the vocabulary size {vocab_size} (got {params.top_k}); 0 or -1 = all", "top_k")
+        raise InvalidRequest(f"top_k must be <= the vocabulary size {vocab_size} (got {params.top_k}); 0 or -1 = all",
+                             "top_k")
     return params
 
 

@@ -114,7 +114,8 @@ async def serve(serving: ServingEngine, cfg: ServerConfig) -> int:
         return 1
     print("jaxserve: draining", flush=True)
     clean = await server.stop()
-    print(f"jaxserve: stopped ({'all requests finished' if clean else 'some requests aborted at the drain timeout'})", flush=True)
+    print(f"jaxserve: stopped ({'all requests finished' if clean else 'some requests aborted at the drain timeout'})",
+          flush=True)
     return 0
 
 

@@ -12,7 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from service.kserve import M, SERVICE_NAME as KSERVE
+from service.kserve import SERVICE_NAME as KSERVE
+from service.kserve import M
 from service.proto import jaxserve_v1_pb2 as pb
 from service_fixtures import MODEL_NAME
 
@@ -23,12 +24,15 @@ METHODS = {
     "Abort": (f"/{V1}/Abort", pb.AbortRequest, pb.AbortResponse, False, False),
     "GetModelInfo": (f"/{V1}/GetModelInfo", pb.GetModelInfoRequest, pb.ModelInfo, False, False),
     "ModelInfer": (f"/{KSERVE}/ModelInfer", M["ModelInferRequest"], M["ModelInferResponse"], False, False),
-    "ModelStreamInfer": (f"/{KSERVE}/ModelStreamInfer", M["ModelInferRequest"], M["ModelStreamInferResponse"], True, True),
+    "ModelStreamInfer": (f"/{KSERVE}/ModelStreamInfer", M["ModelInferRequest"], M["ModelStreamInferResponse"], True,
+                         True),
     "ModelMetadata": (f"/{KSERVE}/ModelMetadata", M["ModelMetadataRequest"], M["ModelMetadataResponse"], False, False),
     "ModelReady": (f"/{KSERVE}/ModelReady", M["ModelReadyRequest"], M["ModelReadyResponse"], False, False),
     "ModelConfig": (f"/{KSERVE}/ModelConfig", M["ModelConfigRequest"], M["ModelConfigResponse"], False, False),
-    "HealthCheck": ("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse, False, False),
-    "HealthWatch": ("/grpc.health.v1.Health/Watch", health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse, False, True),
+    "HealthCheck": ("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse,
+                    False, False),
+    "HealthWatch": ("/grpc.health.v1.Health/Watch", health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse,
+                    False, True),
     "Reflection": (
         "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
         reflection_pb2.ServerReflectionRequest,

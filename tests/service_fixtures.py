@@ -23,7 +23,8 @@ CFG = EngineConfig(
     max_num_seqs=4, max_num_batched_tokens=32, page_size=16, max_model_len=256, precompile=False, num_pages=40
 )
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 
 

@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from jaxserve import AsyncLLM, LLM, SamplingParams
+from jaxserve import LLM, AsyncLLM, SamplingParams
 from jaxserve.config import EngineConfig
 from tiny_models import make_tiny_model
 

@@ -54,7 +54,8 @@ def test_matches_dense(q_lens, kv_lens, block_q, chunk_pages):
     )
     t = 0
     for n, (k, v) in zip(q_lens, dense):
-        ref = np.asarray(dense_causal_attention(jnp.asarray(q[t : t + n]), jnp.asarray(k), jnp.asarray(v), sm_scale=0.25))
+        ref = np.asarray(dense_causal_attention(jnp.asarray(q[t : t + n]), jnp.asarray(k), jnp.asarray(v),
+                                                sm_scale=0.25))
         np.testing.assert_allclose(out[t : t + n], ref, atol=1e-5, rtol=1e-5)
         t += n
     assert np.all(out[t:] == 0), "padding tokens must produce zeros"

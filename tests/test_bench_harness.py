@@ -128,7 +128,8 @@ def test_kv_report_lists_every_dtype():
     verify = {"int8": dict(context=64, capacity=5, peak_running=5, peak_kv_usage=1.0, preemptions=0, ok=True)}
     md = kv.report(dict(args=dict(budget_gib=1 / 1024, contexts=[64], page_size=16, verify_budget_mib=1), model="tiny",
                         jaxserve=res, llamacpp=peer, verify=verify, vllm={"fp8": kv.llamacpp_capacity(
-                            cfg, 1 << 20, "fp8", [64], kv.VLLM_BYTES_PER_VALUE)}, command="c", machine=common.machine_info()))
+                            cfg, 1 << 20, "fp8", [64], kv.VLLM_BYTES_PER_VALUE)}, command="c",
+                            machine=common.machine_info()))
     assert "| jaxserve | float32 | 512 | 2032 | 31 |" in md
     assert "| vLLM (by format) | fp8 | 128 | 8192 | 128 |" in md
     assert "| llama.cpp (by format) | f16 |" in md and "| int8 | 64 | 5 | 5 | 100% | 0 | yes |" in md
@@ -169,7 +170,8 @@ def test_spec_shared_engine_baseline_opts_every_request_out():
     assert res["mismatched_requests"] == 0 and res["acceptance_rate"] == 0.5
     warm, timed = llm.calls[:2], llm.calls[2:]
     assert warm == [[(0, True)], [(None, True)]]  # warm-up of each configuration
-    assert timed == [[(0, False)] * 2, [(None, False)] * 2, [(None, False)] * 2, [(0, False)] * 2]  # none spec, spec none
+    assert timed == [[(0, False)] * 2, [(None, False)] * 2, [(None, False)] * 2,
+                     [(0, False)] * 2]  # none spec, spec none
     assert res["round_speedups"] == [b / a for a, b in zip(res["rounds"]["none"], res["rounds"]["spec"])]
     assert res["speedup"] == pytest.approx(sum(res["round_speedups"]) / 2)  # the median of two
     other = FakeLLM()

@@ -43,7 +43,8 @@ def target(tmp_path_factory):
 
     path = str(tmp_path_factory.mktemp("eagle_target"))
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**(LAYER_CFG | dict(num_hidden_layers=L, initializer_range=0.1, bos_token_id=1, eos_token_id=2)))
+    cfg = transformers.LlamaConfig(**(LAYER_CFG | dict(num_hidden_layers=L, initializer_range=0.1, bos_token_id=1,
+                                                       eos_token_id=2)))
     model = transformers.LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(path)
     return path, model
@@ -92,7 +93,8 @@ def make_head(path, fmt="speculators", seed=0, vd=40, zero_lm_head=False, first=
         cfg = dict(
             speculators_model_type="eagle3", architectures=["Eagle3Speculator"], transformer_layer_config=LAYER_CFG,
             draft_vocab_size=vd, eagle_aux_hidden_state_layer_ids=AUX_IDS,
-            speculators_config={"algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]},
+            speculators_config={"algorithm": "eagle3",
+                                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]},
         ) | flags
     else:  # EAGLE / SpecForge: output-index layer ids
         cfg = LAYER_CFG | dict(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vd,
@@ -145,10 +147,12 @@ def torch_eagle3(w, feats, tokens, embed, lay, flags, extra_hidden=None, return_
     v = (x @ _t(w[lay + "self_attn.v_proj.weight"]).T).reshape(T, NKV, HD)
     keys = k
     k, v = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                         is_causal=True)
     h1 = res + o.transpose(0, 1).reshape(T, D) @ _t(w[lay + "self_attn.o_proj.weight"]).T
     m = _rms(h1, _t(w[lay + "post_attention_layernorm.weight"]))
-    act = torch.nn.functional.silu(m @ _t(w[lay + "mlp.gate_proj.weight"]).T) * (m @ _t(w[lay + "mlp.up_proj.weight"]).T)
+    act = (torch.nn.functional.silu(m @ _t(w[lay + "mlp.gate_proj.weight"]).T)
+           * (m @ _t(w[lay + "mlp.up_proj.weight"]).T))
     out = h1 + act @ _t(w[lay + "mlp.down_proj.weight"]).T
     normed = _rms(out, _t(w["norm.weight"]))
     if return_k:
@@ -189,7 +193,8 @@ def test_head_forward_matches_torch_reference(target, tmp_path, fmt, flags):
     inputs = build_step_inputs([ScheduledSeq(tokens[:T], 0, pages)], b, ps)
     jin = jax.tree.map(jnp.asarray, inputs)
     fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames="from_target")
-    h, normed, kv = fwd(cfg, hw, jnp.asarray(embed), kv, jin, jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))), from_target=True)
+    h, normed, kv = fwd(cfg, hw, jnp.asarray(embed), kv, jin, jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))),
+                        from_target=True)
     np.testing.assert_allclose(np.asarray(h[:T]), ref_h.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(draft_logits(hw, normed[:T])), ref_logits.numpy(), rtol=1e-4, atol=1e-4)
     b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
@@ -225,7 +230,8 @@ def test_layer_id_conventions_capture_the_same_tensors(target, tmp_path):
         if i < L:  # HF normalises its last entry; id L is the pre-norm output, checked via the layer below
             np.testing.assert_allclose(np.asarray(hidden[j, :T]), hf[i][0].numpy(), rtol=1e-4, atol=1e-4)
     # SpecForge id i - 1 = output of layer i - 1 = input of layer i
-    assert [i - 1 for i in b] == json.load(open(tmp_path / "hf" / "config.json"))["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    hf_cfg = json.load(open(tmp_path / "hf" / "config.json"))
+    assert [i - 1 for i in b] == hf_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
 
 
 def test_malformed_heads_fail_clearly(target, tmp_path):
@@ -234,7 +240,8 @@ def test_malformed_heads_fail_clearly(target, tmp_path):
     w = make_head(str(p))
     del w["layers.0.hidden_norm.weight"]
     save_file(w, str(p / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"model.*missing tensor layers.0.hidden_norm.weight|missing tensor layers.0.hidden_norm"):
+    with pytest.raises(ValueError,
+                       match=r"model.*missing tensor layers.0.hidden_norm.weight|missing tensor layers.0.hidden_norm"):
         load_eagle3(str(p), tcfg, np.float32)
     make_head(str(p))
     cfg = json.load(open(p / "config.json"))
@@ -287,7 +294,8 @@ def plain(target):
 @pytest.fixture(scope="module")
 def prompts_and_plain(plain):
     prompts = _prompts(6, seed=4)
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=k) for k in (None, 1, 0, 2, None, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_speculative_tokens=k)
+              for k in (None, 1, 0, 2, None, 3)]
     return prompts, params, _ids(plain.generate(prompts, params, use_tqdm=False))
 
 
@@ -473,7 +481,8 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
     monkeypatch.setattr(eng.proposer, "after_step", spy_after_step)
     monkeypatch.setattr(eng, "_process", spy_process)
     for k_fixed in (1, 0, 2):  # K = 2 after K = 0: requests that arrive after the head was off speculate again
-        monkeypatch.setattr(eng.spec.controller, "choose_k", lambda base, lens, optimistic=False, k=k_fixed: min(k, max(lens, default=k)))
+        monkeypatch.setattr(eng.spec.controller, "choose_k",
+                            lambda base, lens, optimistic=False, k=k_fixed: min(k, max(lens, default=k)))
         made.clear(), verified.clear(), head_runs.clear()
         assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
         assert all(n <= h <= k_fixed for h, n in made) and (k_fixed, k_fixed) in made, (k_fixed, made)

@@ -80,11 +80,13 @@ def _serving_chain_logits(cfg, w, embed, feats, tokens, p, k):
     fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames="from_target")
     b = choose_bucket(p + 1, len(pages), (16,), (4,), 4)
     inputs = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(list(tokens[1 : p + 2]), 0, pages)], b, ps))
-    h, normed, kv = fwd(cfg, w, embed, kv, inputs, jnp.asarray(np.pad(feats[: p + 1], ((0, 15 - p), (0, 0)))), from_target=True)
+    h, normed, kv = fwd(cfg, w, embed, kv, inputs, jnp.asarray(np.pad(feats[: p + 1], ((0, 15 - p), (0, 0)))),
+                        from_target=True)
     out, h = [draft_logits(w, normed[p : p + 1])[0]], h[p : p + 1]
     b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
     for j in range(1, k + 1):
-        one = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([int(tokens[p + 1 + j])], p + j, pages)], b1, ps))
+        one = jax.tree.map(jnp.asarray,
+                           build_step_inputs([ScheduledSeq([int(tokens[p + 1 + j])], p + j, pages)], b1, ps))
         h, normed, kv = fwd(cfg, w, embed, kv, one, h, from_target=False)
         out.append(draft_logits(w, normed)[0])
     return np.stack([np.asarray(x) for x in out])
@@ -94,7 +96,8 @@ def _serving_chain_logits(cfg, w, embed, feats, tokens, p, k):
 def test_ttt_matches_serving_along_chains(target, flags):
     """Step k at chain p (row 0: window = every position; row 1: a shifted window) == serving's k-th draft."""
     cfg, w, embed, feats, tokens, batch = _ttt_setup(target, **flags)
-    logits = np.asarray(jax.jit(ttt_logits, static_argnums=0, static_argnames="num_steps")(cfg, w, embed, batch, num_steps=4))
+    logits = np.asarray(jax.jit(ttt_logits, static_argnums=0, static_argnames="num_steps")(cfg, w, embed, batch,
+                                                                                           num_steps=4))
     T, checked = tokens.shape[1], 0
     for b in range(2):
         for wi, p in enumerate(np.asarray(batch.window_pos[b])):
@@ -111,14 +114,15 @@ def test_wrong_chain_mask_is_caught(target, monkeypatch):
     """A step-k query that sees the step-0 keys up to its own position p + k (instead of p) disagrees with serving."""
     cfg, w, embed, feats, tokens, batch = _ttt_setup(target, seed=2)
     good = ttt.attend
-    monkeypatch.setattr(ttt, "attend", lambda q, q_pos, k0, v0, kd, vd, s: good(q, q_pos + kd.shape[2], k0, v0, kd, vd, s))
+    monkeypatch.setattr(ttt, "attend",
+                        lambda q, q_pos, k0, v0, kd, vd, s: good(q, q_pos + kd.shape[2], k0, v0, kd, vd, s))
     logits = np.asarray(ttt_logits(cfg, w, embed, batch, num_steps=2))
     ref = _serving_chain_logits(cfg, w, embed, feats[0], tokens[0], 3, 1)
     np.testing.assert_allclose(logits[0, 0, 3], ref[0], rtol=1e-4, atol=1e-4)  # step 0 is unaffected
     assert np.abs(logits[1, 0, 3] - ref[1]).max() > 1e-3
 
 
-# ---- draft vocabulary -------------------------------------------------------------------------------------------------
+# ---- draft vocabulary ------------------------------------------------------------------------------------------------
 
 
 def test_vocab_mapping():
@@ -137,7 +141,7 @@ def test_vocab_mapping():
         build_vocab(counts, 13)
 
 
-# ---- features, training, export ---------------------------------------------------------------------------------------
+# ---- features, training, export --------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

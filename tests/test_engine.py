@@ -68,8 +68,10 @@ def test_preemption_keeps_outputs_and_pages(tiny):
     prompts = _prompts(6, seed=2, lo=10, hi=30)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     roomy = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64, precompile=False)
-    want = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    tight = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64, num_pages=1 + 24, precompile=False)
+    want = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                           use_tqdm=False)]
+    tight = LLM(path, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64, num_pages=1 + 24,
+                precompile=False)
     outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     eng = tight.llm_engine
     assert eng.scheduler.num_preemptions > 0
@@ -80,7 +82,8 @@ def test_preemption_keeps_outputs_and_pages(tiny):
 
 def test_logprobs(llm, tiny):
     p = _prompts(1, seed=3)[0]
-    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, logprobs=5), use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, logprobs=5),
+                       use_tqdm=False)[0]
     c = out.outputs[0]
     assert len(c.logprobs) == 3
     with torch.no_grad():
@@ -91,7 +94,8 @@ def test_logprobs(llm, tiny):
     for rank, t in enumerate(top, 1):
         assert first[int(t)].rank == rank
         assert math.isclose(first[int(t)].logprob, float(ref[t]), abs_tol=1e-4)
-    assert math.isclose(c.cumulative_logprob, sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)), abs_tol=1e-4)
+    assert math.isclose(c.cumulative_logprob, sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)),
+                        abs_tol=1e-4)
 
 
 def test_stop_token_ids_and_max_tokens(llm):
@@ -99,16 +103,19 @@ def test_stop_token_ids_and_max_tokens(llm):
     full = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_at = full[4]
     k = full.index(stop_at)
-    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0]
     c = out.outputs[0]
     assert c.token_ids == full[: k + 1] and c.finish_reason == "stop" and c.stop_reason == stop_at
-    short = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    short = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                         use_tqdm=False)
     assert short[0].outputs[0].token_ids == full[:3]
 
 
 def test_n_greater_than_one(llm):
     p = _prompts(1, seed=5)[0]
-    out = llm.generate({"prompt_token_ids": p}, SamplingParams(n=3, temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(n=3, temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
 
@@ -265,7 +272,8 @@ def test_prefix_caching_same_outputs_and_hits(tiny):
 def test_random_aborts_never_leak(tiny):
     """Abort random requests at random moments over a long run; the page accounting holds after every step."""
     path, _ = tiny
-    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64, num_pages=1 + 30, precompile=False)
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64, num_pages=1 + 30,
+              precompile=False)
     eng = llm.llm_engine
     rng = np.random.default_rng(10)
     live, n_aborted, n_finished = set(), 0, 0
@@ -273,7 +281,8 @@ def test_random_aborts_never_leak(tiny):
         if rng.random() < 0.4:
             rid = f"ra-{step}"
             eng.add_request(rid, {"prompt_token_ids": rng.integers(3, 300, int(rng.integers(1, 30))).tolist()},
-                            SamplingParams(temperature=1.0, max_tokens=int(rng.integers(1, 20))), priority=int(rng.integers(0, 3)))
+                            SamplingParams(temperature=1.0, max_tokens=int(rng.integers(1, 20))),
+                            priority=int(rng.integers(0, 3)))
             live.add(rid)
         if live and rng.random() < 0.15:
             rid = sorted(live)[int(rng.integers(len(live)))]
@@ -298,9 +307,12 @@ def test_seeded_sampling_reproduces_with_other_companions(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
     others = [{"prompt_token_ids": q} for q in _prompts(5, seed=12)]
-    mixed = llm.generate(others[:2] + [{"prompt_token_ids": p}] + others[2:], [SamplingParams(temperature=0.8, max_tokens=12)] * 2 + [params] + [SamplingParams(temperature=1.2, max_tokens=12)] * 3, use_tqdm=False)
+    mixed = llm.generate(others[:2] + [{"prompt_token_ids": p}] + others[2:],
+                         [SamplingParams(temperature=0.8, max_tokens=12)] * 2 + [params]
+                         + [SamplingParams(temperature=1.2, max_tokens=12)] * 3, use_tqdm=False)
     assert mixed[2].outputs[0].token_ids == alone
-    unseeded = [llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
+    unseeded = [llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
     assert len({tuple(u) for u in unseeded}) > 1, "unseeded requests should differ"
 
 
@@ -308,7 +320,8 @@ def test_min_tokens_suppresses_stop_tokens(llm):
     p = _prompts(1, seed=13)[0]
     full = llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop = full[0]
-    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=10, min_tokens=4, stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=10, min_tokens=4,
+                                                               stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
     assert stop not in out.token_ids[:4]
     assert len(out.token_ids) >= 4
 
@@ -330,7 +343,8 @@ def test_engine_config_from_yaml(tmp_path):
 def test_prompt_logprobs_match_hf(llm, tiny):
     """prompt_logprobs over a prompt longer than the step budget (so it is computed in chunks)."""
     p = _prompts(1, seed=14, lo=40, hi=45)[0]
-    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                       use_tqdm=False)[0]
     with torch.no_grad():
         ref = torch.log_softmax(tiny[1](torch.tensor([p])).logits[0], -1).numpy()
     plp = out.prompt_logprobs

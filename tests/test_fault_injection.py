@@ -178,7 +178,6 @@ def test_step_exception_for_every_request_kills_the_engine_after_retries(path, r
     prompts, _ = reference
     llm = LLM(path, **CFG)
     _raise_when(llm, lambda inputs: True)
-    eng = llm.llm_engine
     for i in range(MAX_FAILED_STEPS - 1):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY, use_tqdm=False)
         assert all(o.outputs[0].finish_reason == "error" for o in outs)

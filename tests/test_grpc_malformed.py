@@ -114,7 +114,8 @@ CASES = [
     Case("abort-unknown-id", "Abort", b"\x0a\x07nothing", OK, check=lambda r: not r.found),
     Case("model-info-bytes-garbage", "GetModelInfo", GARBAGE, INVALID, "not a valid protobuf message"),
     Case("model-info-bytes-nested-groups", "GetModelInfo", DEEP_GROUPS, INVALID, "not a valid protobuf message"),
-    Case("model-info-unknown-fields", "GetModelInfo", b"\x08\x01\x12\x01x", OK, check=lambda r: r.model_name == MODEL_NAME),
+    Case("model-info-unknown-fields", "GetModelInfo", b"\x08\x01\x12\x01x", OK,
+         check=lambda r: r.model_name == MODEL_NAME),
     # ---- KServe ModelInfer: model, ids, tensors ------------------------------------------------------------------
     ks("unknown-model", infer(model="nope"), "model_name", NOT_FOUND),
     ks("model-name-100k", infer(model="m" * 100_000), "model_name", NOT_FOUND),
@@ -124,7 +125,8 @@ CASES = [
     ks("no-inputs", infer(None), "text_input"),
     ks("text-input-int32", infer(None, extra=[tensor("text_input", "INT32", 5)]), "text_input"),
     ks("text-input-shape-2", infer(None, extra=[tensor("text_input", "BYTES", b"hi", shape=(2,))]), "text_input"),
-    ks("text-input-shape-negative", infer(None, extra=[tensor("text_input", "BYTES", b"hi", shape=(-1,))]), "text_input"),
+    ks("text-input-shape-negative", infer(None, extra=[tensor("text_input", "BYTES", b"hi", shape=(-1,))]),
+       "text_input"),
     ks("text-input-two-elements", infer(None, extra=[tensor("text_input", "BYTES", [b"a", b"b"])]), "text_input"),
     ks("text-input-no-elements", infer(None, extra=[tensor("text_input", "BYTES", [])]), "text_input"),
     ks("text-input-not-utf8", infer(b"\xff\xfeHello"), "text_input"),
@@ -133,13 +135,15 @@ CASES = [
     ks("text-input-longer-than-context", infer(b"x" * 300), "prompt"),
     ks("unknown-input", infer(extra=[tensor("prompt", "BYTES", b"x")]), "prompt"),
     ks("stream-as-bytes", infer(extra=[tensor("stream", "BYTES", b"true")]), "stream"),
-    ks("stream-keeping-input", infer(stream=True, extra=[tensor("exclude_input_in_output", "BOOL", False)]), "exclude_input_in_output"),
+    ks("stream-keeping-input", infer(stream=True, extra=[tensor("exclude_input_in_output", "BOOL", False)]),
+       "exclude_input_in_output"),
     ks("unknown-output", infer(outputs=["logits"]), "outputs"),
     # ---- raw_input_contents ----------------------------------------------------------------------------------------
     ks("raw-count-mismatch", raw_infer(b"", b""), "raw_input_contents"),
     ks("raw-truncated-prefix", raw_infer(b"\x05\x00"), "text_input"),
     ks("raw-element-overruns", raw_infer(b"\xff\x00\x00\x00ab"), "text_input"),
-    ks("raw-and-contents", raw_infer(bytes_tensor_raw(b"x"), inputs=[tensor("text_input", "BYTES", b"x")]), "text_input"),
+    ks("raw-and-contents", raw_infer(bytes_tensor_raw(b"x"), inputs=[tensor("text_input", "BYTES", b"x")]),
+       "text_input"),
     ks("raw-two-elements", raw_infer(bytes_tensor_raw(b"a", b"b")), "text_input"),
     Case("raw-valid", "ModelInfer", raw_infer(bytes_tensor_raw(b"Hello")), OK, check=lambda r: text_output(r)[0]),
     # ---- sampling_parameters JSON ----------------------------------------------------------------------------------
@@ -176,7 +180,8 @@ CASES = [
     ks("param-seed-uint64-max", infer(params={"seed": 2**64 - 1}), "seed"),
     ks("param-top-k-int64-max", infer(params={"top_k": 2**63 - 1}), "top_k"),
     ks("param-no-value", infer(params={"temperature": None}), "temperature"),
-    ks("param-empty-final-not-bool", infer(params={"triton_enable_empty_final_response": "yes"}), "triton_enable_empty_final_response"),
+    ks("param-empty-final-not-bool", infer(params={"triton_enable_empty_final_response": "yes"}),
+       "triton_enable_empty_final_response"),
     ks("infer-bytes-garbage", GARBAGE, "not a valid protobuf message"),
     ks("infer-bytes-truncated", TRUNCATED, "not a valid protobuf message"),
     ks("infer-bytes-model-name-not-utf8", b"\x0a\x02\xc3\x28", "not a valid protobuf message"),
@@ -184,17 +189,20 @@ CASES = [
     Case("stream-unknown-model", "ModelStreamInfer", infer(model="nope", stream=True), IN_BAND, "model_name"),
     Case("stream-bad-json", "ModelStreamInfer", infer(b"x", b"{nope", stream=True), IN_BAND, "sampling_parameters"),
     Case("stream-top-k-huge", "ModelStreamInfer", infer(b"x", {"top_k": "10000000000"}, stream=True), IN_BAND, "top_k"),
-    Case("stream-temperature-nan", "ModelStreamInfer", infer(b"x", b'{"temperature": NaN}', stream=True), IN_BAND, "temperature"),
+    Case("stream-temperature-nan", "ModelStreamInfer", infer(b"x", b'{"temperature": NaN}', stream=True), IN_BAND,
+         "temperature"),
     Case("stream-id-1mb", "ModelStreamInfer", infer(b"x", id="i" * MB, stream=True), IN_BAND, "id"),
     Case("stream-bytes-garbage", "ModelStreamInfer", GARBAGE, IN_BAND, "not a valid protobuf message"),
     Case("stream-bytes-truncated", "ModelStreamInfer", TRUNCATED, IN_BAND, "not a valid protobuf message"),
     # ---- ModelMetadata, ModelReady, ModelConfig ------------------------------------------------------------------
     Case("metadata-unknown-model", "ModelMetadata", M["ModelMetadataRequest"](name="nope"), NOT_FOUND, "name"),
-    Case("metadata-unknown-version", "ModelMetadata", M["ModelMetadataRequest"](name=MODEL_NAME, version="7"), NOT_FOUND, "version"),
+    Case("metadata-unknown-version", "ModelMetadata", M["ModelMetadataRequest"](name=MODEL_NAME, version="7"),
+         NOT_FOUND, "version"),
     Case("metadata-name-100k", "ModelMetadata", M["ModelMetadataRequest"](name="n" * 100_000), NOT_FOUND, "name"),
     Case("metadata-bytes-garbage", "ModelMetadata", GARBAGE, INVALID, "not a valid protobuf message"),
     Case("ready-unknown-model", "ModelReady", M["ModelReadyRequest"](name="nope"), OK, check=lambda r: not r.ready),
-    Case("ready-unknown-version", "ModelReady", M["ModelReadyRequest"](name=MODEL_NAME, version="9"), OK, check=lambda r: not r.ready),
+    Case("ready-unknown-version", "ModelReady", M["ModelReadyRequest"](name=MODEL_NAME, version="9"), OK,
+         check=lambda r: not r.ready),
     Case("ready-bytes-garbage", "ModelReady", GARBAGE, INVALID, "not a valid protobuf message"),
     Case("ready-bytes-not-utf8", "ModelReady", b"\x0a\x01\xff", INVALID, "not a valid protobuf message"),
     Case("config-unknown-model", "ModelConfig", M["ModelConfigRequest"](name="nope"), NOT_FOUND, "name"),
@@ -222,7 +230,8 @@ def channel(server):
 
 
 def _greedy_v1(channel) -> str:
-    return "".join(d.text for r in callable_for(channel, "Generate")(gen("Hello world", **GREEDY), timeout=30) for d in r.outputs)
+    responses = callable_for(channel, "Generate")(gen("Hello world", **GREEDY), timeout=30)
+    return "".join(d.text for r in responses for d in r.outputs)
 
 
 def _greedy_kserve(channel) -> str:
@@ -255,7 +264,8 @@ def _stream(channel, request) -> tuple[str, str]:
 def test_table_is_large_enough():
     assert len(CASES) >= 50 and len({c.id for c in CASES}) == len(CASES)
     methods = {c.method for c in CASES}
-    assert {"Generate", "Abort", "GetModelInfo", "ModelInfer", "ModelStreamInfer", "ModelMetadata", "ModelReady"} <= methods
+    assert {"Generate", "Abort", "GetModelInfo", "ModelInfer", "ModelStreamInfer", "ModelMetadata",
+            "ModelReady"} <= methods
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

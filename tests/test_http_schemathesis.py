@@ -57,7 +57,8 @@ def test_api_never_fails_and_keeps_its_schema(api_schema, method, path, mode):
     operation = api_schema[path][method]
     examples = MAX_EXAMPLES if method == "POST" else 1
 
-    @hypothesis.settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.settings(max_examples=examples, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def run(case):
         body = case.body

@@ -146,7 +146,8 @@ def test_bad_sampling_params(llm, known, kwargs, match):
 
 
 @pytest.mark.parametrize(
-    "prompt,kwargs,add_kw,exc,match", BAD_REQUESTS, ids=[f"{i}-{str(r[0])[:20]!r}-{r[1] or r[2]}" for i, r in enumerate(BAD_REQUESTS)]
+    "prompt,kwargs,add_kw,exc,match", BAD_REQUESTS,
+    ids=[f"{i}-{str(r[0])[:20]!r}-{r[1] or r[2]}" for i, r in enumerate(BAD_REQUESTS)]
 )
 def test_bad_requests(llm, known, prompt, kwargs, add_kw, exc, match):
     eng = llm.llm_engine
@@ -218,7 +219,8 @@ def _mostly_int(lo: int, hi: int, *bad: int):
             "logprobs": st.one_of(st.none(), _mostly_int(0, 20, -1, 21)),
             "prompt_logprobs": st.one_of(st.none(), _mostly_int(0, 20, -1, 21)),
             "stop": st.one_of(st.none(), st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
-            "stop_token_ids": st.one_of(*[st.lists(st.integers(0, V - 1), max_size=4)] * 3, st.lists(st.integers(-5, 2**33), max_size=20)),
+            "stop_token_ids": st.one_of(*[st.lists(st.integers(0, V - 1), max_size=4)] * 3,
+                                        st.lists(st.integers(-5, 2**33), max_size=20)),
             "ignore_eos": st.booleans(),
             "skip_special_tokens": st.booleans(),
             "include_stop_str_in_output": st.booleans(),

@@ -126,7 +126,8 @@ def test_tls_and_api_key(path, tmp_path):
             with pytest.raises(grpc.RpcError) as e:
                 stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=(("authorization", "Bearer t0ken"),), timeout=10)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=(("authorization", "Bearer t0ken"),),
+                                     timeout=10)
             assert info.model_name == "tiny"
             assert info.max_model_len == 256, "flags override the --config YAML"
         proc.send_signal(signal.SIGTERM)

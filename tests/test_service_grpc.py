@@ -93,12 +93,14 @@ def test_explicit_zero_is_honoured(stub, reference):
     _, sampled = _join(stub.Generate(_request("abc", max_tokens=16, ignore_eos=True, seed=1)))
     assert sampled != greedy
     # top_k=0 (disabled) and min_tokens=0 explicitly are accepted and change nothing.
-    _, same = _join(stub.Generate(_request("abc", temperature=0.0, top_k=0, min_tokens=0, max_tokens=16, ignore_eos=True)))
+    _, same = _join(stub.Generate(_request("abc", temperature=0.0, top_k=0, min_tokens=0, max_tokens=16,
+                                           ignore_eos=True)))
     assert same == greedy
 
 
 def test_logprobs_and_n(stub):
-    responses = list(stub.Generate(_request("ab", temperature=0.8, seed=3, n=2, logprobs=2, max_tokens=5, ignore_eos=True)))
+    responses = list(stub.Generate(_request("ab", temperature=0.8, seed=3, n=2, logprobs=2, max_tokens=5,
+                                            ignore_eos=True)))
     per_index = {0: [], 1: []}
     for r in responses:
         for d in r.outputs:
@@ -170,10 +172,12 @@ def test_malformed_requests_get_invalid_argument(stub, server):
             list(stub.Generate(req))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, e.value.details())
         assert field in e.value.details(), (req, e.value.details())
-    # Invalid UTF-8 in a string field does not parse: INVALID_ARGUMENT (grpc.aio alone says UNKNOWN); the server carries on.
+    # Invalid UTF-8 in a string field does not parse: INVALID_ARGUMENT (grpc.aio alone says UNKNOWN); the server
+    # carries on.
     bad_utf8 = b"\x12\x02\xff\xfe"  # field 2 (text), 2 bytes, not UTF-8
     call = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}").unary_stream(
-        "/jaxserve.v1.Generation/Generate", request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
+        "/jaxserve.v1.Generation/Generate", request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString
     )
     with pytest.raises(grpc.RpcError) as e:
         list(call(bad_utf8))

@@ -75,7 +75,8 @@ def test_completions_equal_python_api(client, reference):
 
     chunks = list(
         client.completions.create(
-            model=MODEL_NAME, prompt=prompts[0], stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS, **GREEDY
+            model=MODEL_NAME, prompt=prompts[0], stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS,
+            **GREEDY
         )
     )
     assert len(chunks) >= 3, "text arrives incrementally"
@@ -98,7 +99,8 @@ def test_chat_stream_equals_unary_and_python_api(client, reference):
 
     chunks = list(
         client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS, **GREEDY
+            model=MODEL_NAME, messages=messages, stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS,
+            **GREEDY
         )
     )
     assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
@@ -115,7 +117,8 @@ def test_logprobs(client, reference):
     # Greedy: the sampled token is the most likely one, so its logprob is the top entry's.
     assert all(abs(max(top.values()) - v) < 1e-5 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
     r = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3, extra_body=NO_EOS, **GREEDY
+        model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3, extra_body=NO_EOS,
+        **GREEDY
     )
     content = r.choices[0].logprobs.content
     assert len(content) == 8 and all(len(c.top_logprobs) == 3 for c in content)
@@ -185,7 +188,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"prompt": "a"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
 ]
 
 
@@ -294,7 +298,8 @@ def test_api_key(server):
                 async with s.get(base + "/health") as r:
                     health = r.status
                 schemes = []  # RFC 7235: the scheme is case-insensitive; the key is not
-                for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret ", "Basic s3cret", "Bearer S3CRET", "s3cret"):
+                for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret ", "Basic s3cret", "Bearer S3CRET",
+                               "s3cret"):
                     async with s.get(base + "/v1/models", headers={"Authorization": header}) as r:
                         schemes.append(r.status)
             return no_key, wrong, right, health, schemes
@@ -376,7 +381,8 @@ def test_prompt_size_checked_before_tokenizing(server, route):
         status, text = asyncio.run(send(server.http_port, "POST", route, body))
     finally:
         tok._tok = blocking.inner
-    assert status == 400 and json.loads(text)["error"]["param"] == ("prompt" if route == "/v1/completions" else "messages")
+    assert status == 400
+    assert json.loads(text)["error"]["param"] == ("prompt" if route == "/v1/completions" else "messages")
     assert blocking.calls == 0, "an oversized prompt was tokenized before it was refused"
 
 

@@ -52,7 +52,8 @@ def _inputs(prompt: str, stream: bool, sampling: dict | None = None, **flags):
     add("text_input", "BYTES", prompt.encode())
     add("stream", "BOOL", stream)
     if sampling is not None:  # Triton's vLLM backend convention: JSON with string values
-        add("sampling_parameters", "BYTES", json.dumps({k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in sampling.items()}).encode())
+        strings = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in sampling.items()}
+        add("sampling_parameters", "BYTES", json.dumps(strings).encode())
     for name, value in flags.items():
         add(name, "BOOL", value)
     return tensors
@@ -79,7 +80,8 @@ def test_metadata(client):
 
 def test_infer_equals_python_api(client, reference):
     want = reference.generate("Hello world", SamplingParams(**GREEDY), use_tqdm=False)[0]
-    result = client.infer(MODEL_NAME, _inputs("Hello world", False, GREEDY, return_finish_reason=True, return_num_output_tokens=True))
+    result = client.infer(MODEL_NAME, _inputs("Hello world", False, GREEDY, return_finish_reason=True,
+                                              return_num_output_tokens=True))
     # Non-streaming: the prompt comes first unless exclude_input_in_output (Triton's vLLM backend behaviour).
     assert result.as_numpy("text_output")[0].decode() == "Hello world" + want.outputs[0].text
     assert result.as_numpy("finish_reason")[0].decode() == "length"
@@ -104,7 +106,8 @@ def _stream(client, requests, *, empty_final=True, timeout=30):
 
 def test_stream_infer_deltas_equal_python_api(client, reference):
     prompts = {"a": "Hello world", "b": "The quick brown fox"}
-    want = {k: reference.generate(p, SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].text for k, p in prompts.items()}
+    want = {k: reference.generate(p, SamplingParams(**GREEDY),
+                                  use_tqdm=False)[0].outputs[0].text for k, p in prompts.items()}
     items = _stream(client, [(k, _inputs(p, True, GREEDY)) for k, p in prompts.items()])
     assert all(err is None for _, err in items)
     texts = {k: "" for k in prompts}
@@ -173,7 +176,8 @@ def test_stop_stream_cancels_requests(client, server):
     got: queue.Queue = queue.Queue()
     with EngineHook(server, step_delay=0.01):
         client.start_stream(callback=lambda result, error: got.put((result, error)))
-        client.async_stream_infer(MODEL_NAME, _inputs("go", True, {"temperature": 0, "max_tokens": 200, "ignore_eos": True}))
+        client.async_stream_infer(MODEL_NAME, _inputs("go", True,
+                                                      {"temperature": 0, "max_tokens": 200, "ignore_eos": True}))
         got.get(timeout=30)  # generation is under way
         assert server.server.serving.llm.engine.has_unfinished_requests()
         client.stop_stream(cancel_requests=True)

@@ -14,7 +14,8 @@ from service.async_engine import ServingEngine
 from service.protocol import InvalidRequest, Overloaded, ServingLimits
 from service_fixtures import make_tiny_model_with_tokenizer
 
-CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, page_size=16, max_model_len=64, precompile=False, num_pages=20)
+CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, page_size=16, max_model_len=64, precompile=False,
+                   num_pages=20)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,8 @@ def test_greedy_continuations_equal_hf(llm):
         ids = tok.encode(prompt)
         assert out.prompt_token_ids == ids
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=2)
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              pad_token_id=2)
         assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist(), prompt
 
 
@@ -44,14 +45,16 @@ def test_known_answer_and_eos(llm):
 
 
 def test_stop_string_is_excluded(llm):
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=64, stop=["answer"]), use_tqdm=False)[0]
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=64, stop=["answer"]),
+                       use_tqdm=False)[0]
     c = out.outputs[0]
     assert c.text == " Paris.\n\nThe " and c.finish_reason == "stop" and c.stop_reason == "answer"
 
 
 def test_cli_generate():
     r = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "The capital of France is", "--max-tokens", "5", "--json"],
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "The capital of France is", "--max-tokens", "5",
+         "--json"],
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr
@@ -103,7 +106,8 @@ def test_chat_rejects_malformed_messages(llm):
 def test_streamed_text_never_retracted(llm):
     """Step by step, every partial text is a prefix of the final one, even when a stop string cuts it."""
     eng = llm.llm_engine
-    eng.add_request("stream", "The capital of France is", SamplingParams(temperature=0, max_tokens=64, stop=["The answer"]))
+    eng.add_request("stream", "The capital of France is",
+                    SamplingParams(temperature=0, max_tokens=64, stop=["The answer"]))
     texts = []
     while eng.has_unfinished_requests():
         for out in eng.step():

@@ -42,7 +42,8 @@ def _speculate(key, p, q, verify):
     """One verify position: draw d ~ q, then emit the verified token."""
     kd, ku, kg = jax.random.split(key, 3)
     d = jax.random.categorical(kd, jnp.log(q))
-    token, accepted = verify(p[None], q[None], d[None], jax.random.uniform(ku, (1,)), jax.random.gumbel(kg, (1, len(p))))
+    token, accepted = verify(p[None], q[None], d[None], jax.random.uniform(ku, (1,)),
+                             jax.random.gumbel(kg, (1, len(p))))
     return jnp.where(accepted[0], d, token[0])
 
 
@@ -80,7 +81,8 @@ def test_identical_draft_always_accepted():
     def one(key):
         kd, ku, kg = jax.random.split(key, 3)
         d = jax.random.categorical(kd, jnp.log(p))
-        return rejection_sample(p[None], p[None], d[None], jax.random.uniform(ku, (1,)), jax.random.gumbel(kg, (1, 8)))[1][0]
+        return rejection_sample(p[None], p[None], d[None], jax.random.uniform(ku, (1,)),
+                                jax.random.gumbel(kg, (1, 8)))[1][0]
 
     assert np.asarray(jax.vmap(one)(keys)).all()
 
@@ -114,13 +116,15 @@ def _verify_rows(n, draft, temperature, top_k=0, top_p=1.0, min_p=0.0):
     h.seeds[:] = np.random.default_rng(7).integers(0, 2**32, n, dtype=np.uint32)
     s = jax.tree.map(jnp.asarray, h)
     logits = jnp.broadcast_to(jnp.asarray(LOGITS), (n, V))
-    out = jax.jit(lambda lg, s, d: sample(lg, s, max_logprobs=2, draft_ids=d))(logits, s, jnp.full((n,), draft, jnp.int32))
+    out = jax.jit(lambda lg, s, d: sample(lg, s, max_logprobs=2, draft_ids=d))(logits, s,
+                                                                               jnp.full((n,), draft, jnp.int32))
     return np.asarray(out.token_ids), np.asarray(out.accepted)
 
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8), dict(temperature=1.0, min_p=0.15)],
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8),
+     dict(temperature=1.0, min_p=0.15)],
 )
 @pytest.mark.parametrize("draft", [0, 3, V - 1])  # likely, middle, and (often) truncated-away draft tokens
 def test_one_hot_verify_reproduces_sampling_distribution(settings, draft):
@@ -267,7 +271,8 @@ def test_controller_counts_only_the_drafts_that_exist():
 
 # ---- the engine ----------------------------------------------------------------------------------------------------
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +331,8 @@ def test_greedy_with_ngram_equals_plain(plain, spec):
 def test_mixed_k_per_request_and_opt_out(plain, spec):
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(6, seed=3)]
     params = [
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, num_speculative_tokens=k) for k in (0, 1, 2, 3, None, 0)
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, num_speculative_tokens=k)
+        for k in (0, 1, 2, 3, None, 0)
     ]
     before = spec.llm_engine.spec.metrics.num_steps
     outs = spec.generate(prompts, params, use_tqdm=False)
@@ -352,7 +358,8 @@ def test_greedy_with_speculation_under_preemption(tiny, plain):
     squeezed = LLM(tiny, **_engine_args(num_pages=24, max_model_len=64, speculative_config=SPEC))
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(6, seed=9)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    assert _ids(squeezed.generate(prompts, params, use_tqdm=False)) == _ids(plain.generate(prompts, params, use_tqdm=False))
+    assert (_ids(squeezed.generate(prompts, params, use_tqdm=False))
+            == _ids(plain.generate(prompts, params, use_tqdm=False)))
     eng = squeezed.llm_engine
     assert eng.scheduler.num_preemptions > 0
     assert sum(eng.spec.metrics.num_drafts) > 0
@@ -363,9 +370,9 @@ def test_greedy_with_speculation_under_preemption(tiny, plain):
 def test_aborts_during_verification_leak_nothing(spec):
     eng = spec.llm_engine
     prompts = _repetitive_prompts(10, seed=11)
-    rng = np.random.default_rng(0)
     for i, p in enumerate(prompts):
-        eng.add_request(f"ab-{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True))
+        eng.add_request(f"ab-{i}", {"prompt_token_ids": p},
+                        SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True))
     live = {f"ab-{i}" for i in range(len(prompts))}
     steps = 0
     while eng.has_unfinished_requests():
@@ -386,7 +393,8 @@ def test_precompiled_speculative_engine_never_recompiles(tiny):
     llm = LLM(tiny, **_engine_args(precompile=True, speculative_config=SPEC | {"adaptive": True}))
     compiled = llm.llm_engine.runner.num_compiles
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(7, seed=21)]
-    params = [SamplingParams(temperature=t, seed=1, max_tokens=16, ignore_eos=True, logprobs=1) for t in (0, 0.8) * 3 + (0,)]
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=16, ignore_eos=True, logprobs=1)
+              for t in (0, 0.8) * 3 + (0,)]
     llm.generate(prompts, params, use_tqdm=False)
     assert sum(llm.llm_engine.spec.metrics.num_drafts) > 0
     assert llm.llm_engine.runner.num_compiles == compiled
@@ -430,7 +438,8 @@ def test_different_draft_model_is_lossless_under_preemption(tiny, other_draft, p
     llm = LLM(tiny, **_engine_args(num_pages=24, max_model_len=64, speculative_config={
         "method": "draft_model", "model": other_draft, "num_speculative_tokens": 2, "adaptive": False}))
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(6, seed=17)]
-    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, num_speculative_tokens=k) for k in (None, 1, 0, None, 2, None)]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, num_speculative_tokens=k)
+              for k in (None, 1, 0, None, 2, None)]
     assert _ids(llm.generate(prompts, params, use_tqdm=False)) == _ids(plain.generate(prompts, params, use_tqdm=False))
     eng = llm.llm_engine
     assert eng.scheduler.num_preemptions > 0 and sum(eng.spec.metrics.num_drafts) > 0
@@ -445,7 +454,8 @@ def test_draft_model_must_share_the_vocabulary(tiny, tmp_path):
                       num_key_value_heads=1, max_position_embeddings=256)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocab_size"):
-        LLM(tiny, **_engine_args(speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}))
+        LLM(tiny, **_engine_args(speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                                     "num_speculative_tokens": 2}))
     with pytest.raises(ValueError, match="model"):
         SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
 
@@ -487,7 +497,8 @@ def test_controller_counts_the_draft_models_time(tiny, monkeypatch):
     monkeypatch.setattr(eng.proposer, "after_schedule", slow_propose)
     choices = []
     choose = eng.spec.controller.choose_k
-    monkeypatch.setattr(eng.spec.controller, "choose_k", lambda base, lens: choices.append(choose(base, lens)) or choices[-1])
+    monkeypatch.setattr(eng.spec.controller, "choose_k",
+                        lambda base, lens: choices.append(choose(base, lens)) or choices[-1])
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(4, seed=3)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -520,7 +531,8 @@ def test_acceptance_metrics_per_position_reach_prometheus(tiny):
     assert sum(accepted) == sum(o.metrics.spec_num_accepted_tokens for o in outs)
 
     registry = CollectorRegistry()
-    registry.register(_EngineCollector(SimpleNamespace(stats=lambda: stats | {"num_requests_in_flight": 0}, ready=True)))
+    registry.register(_EngineCollector(SimpleNamespace(stats=lambda: stats | {"num_requests_in_flight": 0},
+                                                       ready=True)))
     samples = {}
     for line in generate_latest(registry).decode().splitlines():
         if line and not line.startswith("#"):
@@ -530,7 +542,9 @@ def test_acceptance_metrics_per_position_reach_prometheus(tiny):
         assert samples[f'jaxserve_spec_decode_num_draft_tokens_per_pos_total{{position="{i}"}}'] == d
         assert samples[f'jaxserve_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] == a
     assert samples["jaxserve_spec_decode_num_accepted_tokens_total"] == sum(accepted)
-    assert samples["jaxserve_spec_decode_mean_acceptance_length"] == pytest.approx(stats["spec_decode_mean_acceptance_length"])
+    assert samples["jaxserve_spec_decode_mean_acceptance_length"] == pytest.approx(
+        stats["spec_decode_mean_acceptance_length"]
+    )
     assert samples["jaxserve_spec_decode_mean_acceptance_length"] > 1
 
 
@@ -560,7 +574,8 @@ def test_a_new_proposer_plugs_in_through_the_protocol(tiny, plain):
         def after_step(self, work, starts, hidden, draft_cap, k_hint):
             calls.append("after_step")
 
-    llm = LLM(tiny, **_engine_args(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}))
+    llm = LLM(tiny, **_engine_args(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                       "adaptive": False}))
     llm.llm_engine.spec.proposer = Oracle()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [ref[tuple(o.prompt_token_ids)] for o in outs]

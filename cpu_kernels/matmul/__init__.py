@@ -28,7 +28,8 @@ PANEL = 32  # columns per packed panel (kNr in kernel.cc)
 @functools.cache
 def load() -> bool:
     """Build (or find in the cache), load and register the native library; False, with one warning, on failure."""
-    return load_cpu_target(build_library, SOURCE, "JaxserveMatmul", TARGET, "native CPU matmul unavailable, using XLA dots")
+    return load_cpu_target(build_library, SOURCE, "JaxserveMatmul", TARGET,
+                           "native CPU matmul unavailable, using XLA dots")
 
 
 @jax.tree_util.register_dataclass

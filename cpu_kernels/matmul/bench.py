@@ -78,8 +78,8 @@ def bench_step(M: int, rounds: int, weights) -> dict:
         "xla": (x, [{k: jnp.asarray(v) for k, v in w.items()} for w in layers], jnp.asarray(head)),
         "native": (x, [{k: native.pack(v) for k, v in w.items()} for w in layers], native.pack(head)),
     }
-    impls = {"xla": jax.jit(lambda x, l, h: _chain(x, l, h, lambda a, b: a @ b)),
-             "native": jax.jit(lambda x, l, h: _chain(x, l, h, native.matmul))}
+    impls = {"xla": jax.jit(lambda x, ws, h: _chain(x, ws, h, lambda a, b: a @ b)),
+             "native": jax.jit(lambda x, ws, h: _chain(x, ws, h, native.matmul))}
     outs = {name: np.asarray(f(*args[name])) for name, f in impls.items()}
     err = float(np.abs(outs["native"] - outs["xla"]).max())
     times = time_calls({name: (f, args[name]) for name, f in impls.items()}, rounds)

@@ -23,7 +23,6 @@ import numpy as np
 from cpu_kernels.build import build_library, load_cpu_target
 from pallas_kernels.ragged_paged_attention import reference
 
-
 TARGET = "jaxserve_ragged_paged_attention"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.cc")
 SUPPORTED_Q_DTYPES = ("float32", "bfloat16", "float16")
@@ -34,7 +33,8 @@ QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
 @functools.cache
 def load() -> bool:
     """Build (or find in the cache), load and register the native library; False, with one warning, on failure."""
-    return load_cpu_target(build_library, SOURCE, "JaxserveRaggedPagedAttention", TARGET, "native CPU attention unavailable, using the XLA reference")
+    return load_cpu_target(build_library, SOURCE, "JaxserveRaggedPagedAttention", TARGET,
+                           "native CPU attention unavailable, using the XLA reference")
 
 
 def _validate(q, k_pages, v_pages, block_tables, seq, pos, is_real, k_scales, v_scales, sliding_window, soft_cap):

@@ -35,8 +35,10 @@ def _architecture(cfg: dict, path: str) -> str:
 
 
 def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
-    # transformers v5 writes `rope_parameters`; older files use `rope_theta` + `rope_scaling` (key `type` or `rope_type`).
-    params = cfg.get("rope_parameters") or dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 10000.0))
+    # transformers v5 writes `rope_parameters`; older files use `rope_theta` + `rope_scaling`
+    # (key `type` or `rope_type`).
+    params = cfg.get("rope_parameters") or dict(cfg.get("rope_scaling") or {},
+                                                rope_theta=cfg.get("rope_theta", 10000.0))
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
@@ -57,7 +59,9 @@ def config_from_hf(cfg: dict, path: str = "config.json") -> ModelConfig:
     if arch == "mistral" and cfg.get("sliding_window") not in (None, 0) and cfg["sliding_window"] < cfg.get(
         "max_position_embeddings", 0
     ):
-        raise ValueError(f"{path}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported yet")
+        raise ValueError(
+            f"{path}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not supported yet"
+        )
     theta, scaling = _rope(cfg)
     num_heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
@@ -138,7 +142,8 @@ def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         pickles = [n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth"))]
-        hint = f" (found {', '.join(pickles)}: pickled weights are not loaded; convert them to safetensors)" if pickles else ""
+        hint = (f" (found {', '.join(pickles)}: pickled weights are not loaded; convert them to safetensors)"
+                if pickles else "")
         raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
     tensors: dict[str, np.ndarray] = {}
     for name in files:

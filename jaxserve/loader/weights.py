@@ -28,7 +28,8 @@ def layer_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj.weight": (D, F),
     }
     if cfg.attention_bias:
-        shapes |= {"self_attn.q_proj.bias": (N * H,), "self_attn.k_proj.bias": (K * H,), "self_attn.v_proj.bias": (K * H,)}
+        shapes |= {"self_attn.q_proj.bias": (N * H,), "self_attn.k_proj.bias": (K * H,),
+                   "self_attn.v_proj.bias": (K * H,)}
     if cfg.qk_norm:
         shapes |= {"self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,)}
     return shapes

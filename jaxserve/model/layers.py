@@ -40,7 +40,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         smooth = (old / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
         blended = (1 - smooth) * inv / sc.factor + smooth * inv
         out = np.where(
-            wavelen > old / sc.low_freq_factor, inv / sc.factor, np.where(wavelen < old / sc.high_freq_factor, inv, blended)
+            wavelen > old / sc.low_freq_factor, inv / sc.factor,
+            np.where(wavelen < old / sc.high_freq_factor, inv, blended)
         )
         return out.astype(np.float32)
     raise ValueError(f"unsupported rope scaling type {sc.rope_type!r}; supported: llama3, linear")

@@ -90,7 +90,8 @@ def draft_fn(
     a: CatchUpInputs = layout.unpack(packed)
     inputs = a.step
     S = a.num_draft.shape[0]
-    nxt, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a.feature_rows], from_target=True, backends=backends)
+    nxt, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a.feature_rows], from_target=True,
+                                     backends=backends)
     rows = inputs.logits_indices[:S]  # each sequence's last caught-up pair
     tok = greedy_target_ids(weights, draft_logits(weights, normed[rows]))
     h = nxt[rows]

@@ -55,7 +55,8 @@ class Speculator:
             return 0
         k_max = self.controller.k_max
         k = k_max if p.num_speculative_tokens is None else min(k_max, p.num_speculative_tokens)
-        return max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1, self.cfg.max_model_len - seq.num_tokens - 1))
+        return max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1,
+                          self.cfg.max_model_len - seq.num_tokens - 1))
 
     def propose(self, running: list[Sequence]) -> None:
         """Drafts for every decoding sequence (the scheduler decides how many of them it can verify)."""

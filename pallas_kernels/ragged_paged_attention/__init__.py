@@ -152,7 +152,8 @@ def _validate(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, k_scales, 
     if Hk != H or N % K:
         raise ValueError(f"need the same head dim and query heads a multiple of kv heads (got q {q.shape}, "
                          f"pages {k_pages.shape})")
-    if block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1] or cu_q_lens.shape != (seq_lens.shape[0] + 1,):
+    if (block_tables.ndim != 2 or seq_lens.shape != block_tables.shape[:1]
+            or cu_q_lens.shape != (seq_lens.shape[0] + 1,)):
         raise ValueError(f"expected block_tables [S, max_pages], seq_lens [S], cu_q_lens [S+1] (got "
                          f"{block_tables.shape}, {seq_lens.shape}, {cu_q_lens.shape})")
     quantized = jnp.dtype(k_pages.dtype).name in reference.QUANT_MAX

@@ -165,7 +165,8 @@ def _verify_kernel(
         q_d = (draft_ref[d] if has_q else jnp.float32(1.0)) if target_kind == "probs" else jnp.float32(0.0)
         g_d = gumbel_ref[d] if target_kind == "logits" else jnp.float32(0.0)
         token, accepted = finalize(
-            target_kind, idx_a=idx_a, idx_b=idx_b, any_mass=any_mass, m=m, l=l, draft_id=draft_id, greedy=meta_ref[1], is_random=meta_ref[2], uniform=uniform_ref[0],
+            target_kind, idx_a=idx_a, idx_b=idx_b, any_mass=any_mass, m=m, l=l, draft_id=draft_id, greedy=meta_ref[1],
+            is_random=meta_ref[2], uniform=uniform_ref[0],
             t_d=t_d, q_d=q_d, g_d=g_d,
         )
         (out_ref,) = out_refs
@@ -257,6 +258,7 @@ def spec_verify_kernel(
     q_d = jnp.take_along_axis(draft_probs, d, axis=1)[:, 0] if has_q else jnp.ones((R,), jnp.float32)
     g_d = jnp.take_along_axis(gumbel, d, axis=1)[:, 0]
     return finalize(
-        target_kind, idx_a=idx_a, idx_b=idx_b, any_mass=any_mass, m=m, l=l, draft_id=draft_ids, greedy=greedy, is_random=is_random.astype(jnp.int32), uniform=uniform,
+        target_kind, idx_a=idx_a, idx_b=idx_b, any_mass=any_mass, m=m, l=l, draft_id=draft_ids, greedy=greedy,
+        is_random=is_random.astype(jnp.int32), uniform=uniform,
         t_d=t_d, q_d=q_d, g_d=g_d,
     )

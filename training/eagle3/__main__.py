@@ -39,7 +39,8 @@ def _train_config(a):
     from training.eagle3.train import TrainConfig
 
     return TrainConfig(lr=a.lr, epochs=a.epochs, max_steps=a.max_steps, batch_tokens=a.batch_tokens,
-                       ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab_size, len_buckets=a.len_buckets, win_buckets=a.win_buckets,
+                       ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab_size, len_buckets=a.len_buckets,
+                       win_buckets=a.win_buckets,
                        eval_frac=a.eval_frac, log_every=a.log_every, save_every=a.save_every, seed=a.seed)
 
 

@@ -69,13 +69,15 @@ def main(argv=None) -> None:
             engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     t0, tokens, finished = time.perf_counter(), 0, len(done)
     with open(args.out, "a") as f:
-        while engine.has_unfinished_requests():  # continuous batching over all prompts; each reply is written as it ends
+        # continuous batching over all prompts; each reply is written as it ends
+        while engine.has_unfinished_requests():
             for o in engine.step():
                 if not o.finished:
                     continue
                 i, out_ids = int(o.request_id), list(o.outputs[0].token_ids)
                 ids, chat = prompts[i]
-                f.write(json.dumps({"index": i, "prompt_token_ids": ids, "output_token_ids": out_ids, "chat": chat}) + "\n")
+                f.write(json.dumps({"index": i, "prompt_token_ids": ids, "output_token_ids": out_ids,
+                                    "chat": chat}) + "\n")
                 tokens, finished = tokens + len(out_ids), finished + 1
                 if finished % 32 == 0:
                     f.flush()

@@ -134,7 +134,8 @@ class Trainer:
         if tcfg.hidden_size != store.meta["hidden_size"] or tcfg.vocab_size != store.meta["vocab_size"]:
             raise ValueError(f"features in {store.meta} were not made by target {self.model}")
         self.train_ids, self.eval_ids = split(store.num_samples, tc.eval_frac, tc.seed)
-        rows = np.concatenate([np.arange(store.offsets[s], store.offsets[s] + store.lengths[s]) for s in self.train_ids])
+        rows = np.concatenate([np.arange(store.offsets[s], store.offsets[s] + store.lengths[s])
+                               for s in self.train_ids])
         counts = token_counts(store.tokens[rows], store.is_output[rows], tcfg.vocab_size)
         if head is None:
             self.draft_ids, self.d2t, self.t2d = build_vocab(counts, tc.draft_vocab_size)
@@ -206,7 +207,8 @@ class Trainer:
             step += 1
             if step % tc.log_every == 0 or step == total:
                 a = acceptance(jax.device_get(acc_stats))
-                dt = (time.perf_counter() - t_last) / (tc.log_every if step % tc.log_every == 0 else step % tc.log_every)
+                steps_since = tc.log_every if step % tc.log_every == 0 else step % tc.log_every
+                dt = (time.perf_counter() - t_last) / steps_since
                 rec = dict(step=step, loss=float(loss), acc=a["acc"], tau=a["tau"], sec_per_step=dt)
                 log.append(rec)
                 print(f"[train] step {step}/{total} loss {float(loss):.3f} acc "
