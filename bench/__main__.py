@@ -7,6 +7,7 @@ docs/benchmarks/NAME.{json,md,png}.
     spec        speculative decoding speedup per method vs none (batch 1 and under load)
     kv          sequences and context a fixed KV budget holds per KV dtype
     soak        chaos soak: 256 streams with cancels / deadlines / disconnects; exits non-zero if a check fails
+    ab          same-run A/B of this checkout against a baseline worktree, batch 1 and 16 (refactors)
 
 Peers are optional (scripts/install_peers.sh); a missing one is skipped with a message. Run on a quiet machine.
 """
@@ -25,6 +26,7 @@ SUBCOMMANDS = {
     "spec": "bench.spec",
     "kv": "bench.kv",
     "soak": "bench.soak",
+    "ab": "bench.ab",
 }
 
 
