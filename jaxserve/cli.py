@@ -37,6 +37,7 @@ def engine_flags(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "speculative_config": args.speculative_config,
         "precompile": args.precompile,
+        "mesh": args.mesh,
     }
 
 
@@ -59,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
         '\'{"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}\'',
     )
+    p.add_argument("--mesh", default=None,
+                   help="device mesh: a preset (single, tp2, pp2_tp2, dp2, ...) or a configs/mesh/*.yaml file; "
+                   "only one-device meshes run so far")
     p.add_argument(
         "--precompile",
         action=argparse.BooleanOptionalAction,

@@ -11,6 +11,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from jaxserve.sharding import MeshConfig
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -190,10 +192,15 @@ class EngineConfig:
     priority_aging_steps: int = 100  # a waiting request gains one priority level per this many steps
     seed: int = 0
     speculative_config: SpeculativeConfig | None = None  # or a dict with vLLM's keys: {"method": "ngram", ...}
+    # Device mesh (`jaxserve.sharding.MeshConfig`): a preset name ("single", "tp2", "pp2_tp2", ...), a
+    # configs/mesh/*.yaml path or a mapping; None = one device. Sharded steps are being built (issue 18): today
+    # only meshes of one device run.
+    mesh: MeshConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.speculative_config, dict):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        object.__setattr__(self, "mesh", MeshConfig.from_value(self.mesh))
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "priority_aging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxserve import ops
+from jaxserve import ops, sharding
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import kv_cache_bytes
 from jaxserve.loader import load_checkpoint
@@ -51,7 +51,21 @@ def resolve_num_pages(
     return max(2, min(want, DEFAULT_KV_CACHE_BYTES // per_page))
 
 
+def check_mesh(cfg: EngineConfig) -> None:
+    """The mesh must fit this process's devices; sharded execution is not built yet (issue 18): refuse, saying so,
+    rather than silently running on one device."""
+    if cfg.mesh is None:
+        return
+    sharding.make_mesh(cfg.mesh)  # raises, naming the mesh, if there are too few devices
+    if cfg.mesh.num_devices > 1:
+        raise NotImplementedError(
+            f"mesh {cfg.mesh.name or cfg.mesh.shape}: sharded execution over {cfg.mesh.num_devices} devices "
+            "(tensor / pipeline / data parallel) is not available yet; use a mesh of one device (mesh='single')"
+        )
+
+
 def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> tuple[EngineConfig, ops.Backends]:
+    check_mesh(engine_config)
     dtype = engine_config.dtype or default_dtype()
     max_model_len = min(engine_config.max_model_len, model_config.max_position_embeddings)
     scan = engine_config.scan_layers if engine_config.scan_layers is not None else jax.default_backend() != "cpu"

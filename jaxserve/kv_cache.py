@@ -37,6 +37,11 @@ def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype).name in QUANT_MAX
 
 
+# Logical axes of the cache arrays (`jaxserve.sharding`): values [L, P, page_size, K, H], scales [L, P, page_size, K].
+KV_AXES = ("layers", None, None, "kv_heads", "head_dim")
+KV_SCALE_AXES = KV_AXES[:-1]
+
+
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
     return (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
 

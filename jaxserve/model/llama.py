@@ -59,6 +59,33 @@ class Weights:
     lm_head: Optional[jax.Array] = None  # f[D, V]; None when tied to `embed` (a PackedLinear once packed, tied or not)
 
 
+# Logical axes of every weight, declared once here (`jaxserve.sharding` maps them onto a mesh): one layer's arrays;
+# stacked layers add "layers" in front.
+LAYER_AXES = dict(
+    attn_norm=("embed",), wq=("embed", "heads"), wk=("embed", "kv_heads"), wv=("embed", "kv_heads"),
+    wo=("heads", "embed"), mlp_norm=("embed",), w_gate=("embed", "mlp"), w_up=("embed", "mlp"),
+    w_down=("mlp", "embed"), bq=("heads",), bk=("kv_heads",), bv=("kv_heads",), q_norm=("head_dim",),
+    k_norm=("head_dim",),
+)
+WEIGHT_AXES = dict(embed=("vocab", "embed"), final_norm=("embed",), lm_head=("embed", "vocab"))
+
+
+def weight_axes(weights: Weights) -> Weights:
+    """A tree shaped like `weights` (stacked or unstacked layers, unpacked) whose leaves are logical-axes tuples."""
+    def layer(lw: LayerWeights, stacked: bool) -> LayerWeights:
+        return LayerWeights(**{
+            f.name: None if getattr(lw, f.name) is None else (("layers",) if stacked else ()) + LAYER_AXES[f.name]
+            for f in dataclasses.fields(LayerWeights)
+        })
+
+    layers = (tuple(layer(lw, False) for lw in weights.layers) if isinstance(weights.layers, tuple)
+              else layer(weights.layers, True))
+    return Weights(
+        embed=WEIGHT_AXES["embed"], layers=layers, final_norm=WEIGHT_AXES["final_norm"],
+        lm_head=None if weights.lm_head is None else WEIGHT_AXES["lm_head"],
+    )
+
+
 def unstack_layers(weights: Weights) -> Weights:
     """The same weights with `layers` as a tuple of per-layer `LayerWeights` (views of the stacked arrays).
 

@@ -1,0 +1,171 @@
+"""Device meshes from mesh configs, and logical axes -> mesh axes: the only module that names a mesh axis.
+
+A mesh config (`MeshConfig`, `configs/mesh/*.yaml`, or a preset name such as "tp2" or "dp2_pp2") gives the sizes
+of the three mesh axes, `dp` (engine replicas), `pp` (pipeline stages) and `tp` (tensor parallel), and the rules
+that map the model's logical axes onto them. Arrays declare logical axes once, where they are defined (the model's
+weights in `model/llama.py`, the KV cache in `kv_cache.py`): "vocab", "embed", "heads", "kv_heads", "head_dim",
+"mlp", "layers", "batch". `partition_spec` turns an array's logical axes into a `PartitionSpec` under the rules.
+
+Sharding is by whole slices only: a dimension whose size the mesh axis does not divide is replicated instead (the
+default model's 3 KV heads under tp=2 are replicated on both shards, as vLLM replicates KV heads when tp exceeds
+or does not divide them), and a mesh axis of size 1 shards nothing.
+
+flax's logical-partitioning helpers (`flax.linen.logical_to_mesh_axes`) are not used: they serve linen modules'
+boxed parameter metadata, while our weights are plain pytrees whose axes are declared in a table, and the mapping
+itself is a dictionary lookup plus the divisibility rule above, which flax does not apply.
+
+Sharded execution itself (TP / PP / DP steps) is being built (issue 18): today an engine accepts a mesh that uses
+one device, and `factory.py` refuses larger ones with a message saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+MESH_AXES = ("dp", "pp", "tp")  # outermost first: replicas, then pipeline stages, then tensor-parallel shards
+LOGICAL_AXES = ("batch", "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp")
+DEFAULT_RULES = (
+    ("batch", "dp"),
+    ("layers", "pp"),
+    ("vocab", "tp"),  # vocabulary-parallel embedding and LM head
+    ("embed", None),
+    ("heads", "tp"),  # column-parallel q, row-parallel o
+    ("kv_heads", "tp"),  # column-parallel k / v, the KV cache by heads
+    ("head_dim", None),
+    ("mlp", "tp"),  # column-parallel gate / up, row-parallel down
+)
+_PRESET = re.compile(r"^(?:dp(\d+))?_?(?:pp(\d+))?_?(?:tp(\d+))?$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    rules: tuple[tuple[str, str | None], ...] = DEFAULT_RULES  # logical axis -> mesh axis (None = replicated)
+    name: str | None = None  # the preset or file it came from, for messages
+
+    def __post_init__(self):
+        for axis in MESH_AXES:
+            v = getattr(self, axis)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"mesh.{axis} must be an integer >= 1 (got {v!r})")
+        rules = dict(self.rules.items() if isinstance(self.rules, dict) else self.rules)
+        for logical, axis in rules.items():
+            if logical not in LOGICAL_AXES:
+                raise ValueError(f"mesh.rules: unknown logical axis {logical!r}; known: {', '.join(LOGICAL_AXES)}")
+            if axis is not None and axis not in MESH_AXES:
+                raise ValueError(
+                    f"mesh.rules.{logical}: unknown mesh axis {axis!r}; one of {', '.join(MESH_AXES)} or null"
+                )
+        object.__setattr__(self, "rules", tuple((k, rules.get(k)) for k in LOGICAL_AXES))
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @classmethod
+    def preset(cls, name: str) -> "MeshConfig":
+        """"single", or axis sizes in dp-pp-tp order joined by "_": "tp2", "pp2_tp2", "dp2_pp2", ..."""
+        m = _PRESET.match(name) if name != "single" else None
+        if name != "single" and (m is None or not any(m.groups())):
+            raise ValueError(
+                f"mesh: {name!r} is neither a mesh preset (single, tp2, pp2_tp2, dp2, ...) nor a .yaml file"
+            )
+        sizes = {} if m is None else {a: int(v) for a, v in zip(MESH_AXES, m.groups()) if v}
+        return cls(**sizes, name=name)
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "mesh") -> "MeshConfig":
+        known = {f.name for f in dataclasses.fields(cls)} - {"name"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown mesh key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values = dict(values)
+        if "rules" in values:  # a file's rules override the defaults one logical axis at a time
+            if not isinstance(values["rules"], dict):
+                raise ValueError(f"{source}: mesh.rules must be a mapping of logical axis -> mesh axis or null")
+            values["rules"] = tuple({**dict(DEFAULT_RULES), **values["rules"]}.items())
+        return cls(**values, name=source)
+
+    @classmethod
+    def from_value(cls, value) -> "MeshConfig | None":
+        """An `EngineConfig.mesh` value: None, a MeshConfig, a dict, a preset name or a .yaml path."""
+        if value is None or isinstance(value, MeshConfig):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if not isinstance(value, str):
+            raise ValueError(f"mesh must be a preset name, a .yaml path or a mapping (got {type(value).__name__})")
+        if value.endswith((".yaml", ".yml")):
+            import yaml
+
+            with open(value) as f:
+                values = yaml.safe_load(f) or {}
+            if not isinstance(values, dict):
+                raise ValueError(f"{value}: expected a mapping of mesh options, got {type(values).__name__}")
+            return cls.from_dict(values, value)
+        return cls.preset(value)
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        """The mesh axis `logical` is sharded over, None if replicated (no rule, or the axis has size 1)."""
+        axis = dict(self.rules).get(logical) if logical is not None else None
+        return axis if axis is not None and getattr(self, axis) > 1 else None
+
+
+def partition_spec(cfg: MeshConfig, logical_axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
+                   units: dict[str, int] | None = None):
+    """The PartitionSpec of an array with these logical axes (one per dimension; None = never sharded). With
+    `shape`, a dimension is replicated unless the mesh axis divides its indivisible units: `units[logical]` of them
+    (the head count of a flattened [heads * head_dim] dimension), else its size. A mesh axis shards one dimension."""
+    from jax.sharding import PartitionSpec
+
+    spec, used = [], set()
+    for i, logical in enumerate(logical_axes):
+        axis = cfg.mesh_axis(logical)
+        n = None if shape is None else (units or {}).get(logical, shape[i])
+        if axis is not None and (axis in used or (n is not None and n % getattr(cfg, axis))):
+            axis = None
+        used.add(axis)
+        spec.append(axis)
+    return PartitionSpec(*spec)
+
+
+def make_mesh(cfg: MeshConfig, devices=None):
+    """The `jax.sharding.Mesh` of `cfg` over the first dp * pp * tp of `devices` (default: all of this process's
+    view, `jax.devices()`); raises, naming the mesh, if there are too few."""
+    import jax
+    from jax.sharding import Mesh
+
+    devices = jax.devices() if devices is None else list(devices)
+    n = cfg.num_devices
+    if len(devices) < n:
+        sizes = " x ".join(f"{a}={getattr(cfg, a)}" for a in MESH_AXES)
+        raise ValueError(
+            f"mesh {cfg.name or ''} ({sizes}) needs {n} devices but {len(devices)} are available"
+            + (" (on CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+               if devices and devices[0].platform == "cpu" else "")
+        )
+    return Mesh(np.asarray(devices[:n], dtype=object).reshape(cfg.dp, cfg.pp, cfg.tp), MESH_AXES)
+
+
+def shardings(mesh, cfg: MeshConfig, tree, axes_tree, units: dict[str, int] | None = None):
+    """NamedShardings for every array of `tree`, given a same-structured tree of logical-axes tuples (`units`: see
+    `partition_spec`; for a model, `model_units(model_config)`)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    return jax.tree.map(lambda a, axes: NamedSharding(mesh, partition_spec(cfg, axes, a.shape, units)), tree, axes_tree)
+
+
+def model_units(model_cfg) -> dict[str, int]:
+    """Indivisible units per logical axis of a Llama-family model: whole query and KV heads."""
+    return {"heads": model_cfg.num_heads, "kv_heads": model_cfg.num_kv_heads}
