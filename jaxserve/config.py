@@ -193,8 +193,8 @@ class EngineConfig:
     seed: int = 0
     speculative_config: SpeculativeConfig | None = None  # or a dict with vLLM's keys: {"method": "ngram", ...}
     # Device mesh (`jaxserve.sharding.MeshConfig`): a preset name ("single", "tp2", "pp2_tp2", ...), a
-    # configs/mesh/*.yaml path or a mapping; None = one device. Sharded steps are being built (issue 18): today
-    # only meshes of one device run.
+    # configs/mesh/*.yaml path or a mapping; None = one device. Tensor-parallel meshes run; pipeline and data
+    # parallel ones are refused at start until they are built (issue 18).
     mesh: MeshConfig | None = None
 
     def __post_init__(self):

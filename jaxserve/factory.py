@@ -9,6 +9,7 @@ pages, sized so the target's cache and any proposer's (same page ids) fit the me
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -19,6 +20,7 @@ from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import kv_cache_bytes
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
+from jaxserve.model.llama import repeat_kv_heads
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.spec_decode import Proposer, make_proposer, proposer_cache_configs, target_hidden_layer_ids
 from jaxserve.tokenizer import Tokenizer
@@ -51,26 +53,36 @@ def resolve_num_pages(
     return max(2, min(want, DEFAULT_KV_CACHE_BYTES // per_page))
 
 
-def check_mesh(cfg: EngineConfig) -> None:
-    """The mesh must fit this process's devices; sharded execution is not built yet (issue 18): refuse, saying so,
-    rather than silently running on one device."""
+def check_mesh(cfg: EngineConfig, model_config: ModelConfig | None = None):
+    """The engine's `jax.sharding.Mesh` (None without a mesh config), checked against this process's devices and,
+    given the model, against its heads (`sharding.kv_head_replicas`). Tensor parallelism runs; pipeline and data
+    parallelism are not built yet (issue 18) and are refused rather than silently run on fewer devices."""
     if cfg.mesh is None:
-        return
-    sharding.make_mesh(cfg.mesh)  # raises, naming the mesh, if there are too few devices
-    if cfg.mesh.num_devices > 1:
+        return None
+    mesh = sharding.make_mesh(cfg.mesh)  # raises, naming the mesh, if there are too few devices
+    if cfg.mesh.pp > 1 or cfg.mesh.dp > 1:
         raise NotImplementedError(
-            f"mesh {cfg.mesh.name or cfg.mesh.shape}: sharded execution over {cfg.mesh.num_devices} devices "
-            "(tensor / pipeline / data parallel) is not available yet; use a mesh of one device (mesh='single')"
+            f"mesh {cfg.mesh.name or cfg.mesh.shape}: pipeline (pp) and data (dp) parallelism are not available yet; "
+            "tensor parallel meshes (tp2, tp4, tp8) are"
         )
+    if cfg.mesh.tp > 1:
+        spec = cfg.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise NotImplementedError(f"speculative_config.method={spec.method!r} with a tensor-parallel mesh is not "
+                                      "available yet; ngram is")
+        if model_config is not None:
+            sharding.kv_head_replicas(cfg.mesh, model_config.num_heads, model_config.num_kv_heads)
+    return mesh
 
 
 def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> tuple[EngineConfig, ops.Backends]:
-    check_mesh(engine_config)
+    """`model_config`: the model as it will run (KV heads already replicated for tensor parallelism)."""
+    mesh = check_mesh(engine_config, model_config)
     dtype = engine_config.dtype or default_dtype()
     max_model_len = min(engine_config.max_model_len, model_config.max_position_embeddings)
     scan = engine_config.scan_layers if engine_config.scan_layers is not None else jax.default_backend() != "cpu"
     cfg = engine_config.replace(dtype=dtype, max_model_len=max_model_len, scan_layers=scan)
-    backends = ops.resolve_backends(cfg, dtype, scan)
+    backends = ops.resolve_backends(cfg, dtype, scan, mesh)
     if backends.attention == "native":
         # The native CPU kernel walks only each sequence's own pages: one block-table size serves every step.
         cfg = cfg.replace(page_buckets=cfg.page_buckets[-1:])
@@ -87,9 +99,15 @@ def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> tu
 
 def build_engine_parts(model: str | None, engine_config: EngineConfig | None = None) -> EngineParts:
     ckpt = load_checkpoint(model)
-    model_config, tokenizer = ckpt.config, ckpt.tokenizer
-    cfg, backends = resolve_config(engine_config or EngineConfig(), model_config)
-    weights = to_weights(model_config, ckpt.tensors, jnp.dtype(cfg.dtype), ckpt.path)
+    engine_config = engine_config or EngineConfig()
+    check_mesh(engine_config, ckpt.config)  # before the weights are read: a mesh that cannot run fails fast
+    tp = 1 if engine_config.mesh is None else engine_config.mesh.tp
+    r = 1 if tp == 1 else sharding.kv_head_replicas(engine_config.mesh, ckpt.config.num_heads, ckpt.config.num_kv_heads)
+    model_config = dataclasses.replace(ckpt.config, num_kv_heads=ckpt.config.num_kv_heads * r)  # as it will run
+    tokenizer = ckpt.tokenizer
+    cfg, backends = resolve_config(engine_config, model_config)
+    weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(cfg.dtype), ckpt.path)
+    _, weights = repeat_kv_heads(ckpt.config, weights, r)
     del ckpt
     hidden_ids = target_hidden_layer_ids(cfg.speculative_config, model_config)
     runner = ModelRunner(model_config, cfg, weights, cfg.dtype, hidden_layer_ids=hidden_ids, backends=backends)

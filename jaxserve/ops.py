@@ -20,13 +20,16 @@ entry point; the sampler calls `ops.verify_one_hot` the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from cpu_kernels import matmul as _cpu_matmul
 from cpu_kernels import ragged_paged_attention as _cpu_rpa
+from jaxserve import sharding
 from jaxserve.config import BACKEND_ENV, EngineConfig
 from pallas_kernels import ragged_paged_attention as _rpa
 from pallas_kernels import spec_verify as _spec_verify
@@ -45,6 +48,7 @@ class Backends:
 
     attention: str  # one of ATTENTION_BACKENDS
     matmul: str  # one of MATMUL_BACKENDS
+    mesh: Any = None  # a jax.sharding.Mesh with a "tp" axis > 1: attention runs per tensor-parallel shard of heads
 
     def __post_init__(self):
         if self.attention not in ATTENTION_BACKENDS:
@@ -116,12 +120,18 @@ def resolve_matmul_backend(choice: str, dtype, scan_layers: bool) -> str:
     return "native" if why_not is None and native_matmul_available() else "xla"
 
 
-def resolve_backends(engine_cfg: EngineConfig, dtype, scan_layers: bool) -> Backends:
+def resolve_backends(engine_cfg: EngineConfig, dtype, scan_layers: bool, mesh=None) -> Backends:
     """The engine's backend fields made concrete for this process: `dtype` is the weights' dtype, `scan_layers`
-    whether the layers run as one scanned body (the resolved `EngineConfig.scan_layers`). Call once, at start."""
+    whether the layers run as one scanned body (the resolved `EngineConfig.scan_layers`), `mesh` the engine's
+    `jax.sharding.Mesh` (None: one device). Call once, at start. Under tensor parallelism linear maps are XLA dots
+    (GSPMD partitions them; the native matmul's packed panels are not sharded)."""
+    tp = sharding.tensor_parallel_size(mesh) > 1
+    if tp and engine_cfg.matmul_backend == "native":
+        raise ValueError("matmul_backend=native cannot be used with a tensor-parallel mesh; use auto or xla")
     return Backends(
         attention=resolve_attention_backend(engine_cfg.attention_backend),
-        matmul=resolve_matmul_backend(engine_cfg.matmul_backend, dtype, scan_layers),
+        matmul="xla" if tp else resolve_matmul_backend(engine_cfg.matmul_backend, dtype, scan_layers),
+        mesh=mesh if tp else None,
     )
 
 
@@ -165,6 +175,15 @@ def attend(
     """Ragged paged attention (semantics: `pallas_kernels.ragged_paged_attention.reference.attend`) on the kernel
     `backends.attention` names. The Pallas kernel takes the per-sequence form of the batch, the CPU paths the
     per-token `meta`."""
+    if backends.mesh is not None:  # tensor parallel: each shard attends over its own heads (jaxserve.sharding)
+        local = dataclasses.replace(backends, mesh=None)
+
+        def shard(q, k, v, ks, vs, block_tables, seq_lens, cu_q_lens, num_seqs, meta):
+            return attend(q, k, v, block_tables, seq_lens, cu_q_lens, num_seqs, meta, ks, vs, sm_scale=sm_scale,
+                          backends=local)
+
+        return sharding.heads_shard_map(backends.mesh, shard, q, k_pages, v_pages, k_scales, v_scales,
+                                        block_tables, seq_lens, cu_q_lens, num_seqs, meta)
     if backends.attention == "pallas" and _rpa.select_impl(q, k_pages) == "kernel":
         return _rpa.ragged_paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, num_seqs, k_scales, v_scales,

@@ -16,12 +16,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve import ops
+from jaxserve import ops, sharding
 from jaxserve.batch import Bucket, StepBatch, build_step_inputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
-from jaxserve.kv_cache import KVCache, init_kv_cache, kv_cache_bytes
-from jaxserve.model.llama import Weights, compute_logits, forward, pack_linear_weights, unstack_layers
+from jaxserve.kv_cache import KV_AXES, KV_SCALE_AXES, KVCache, init_kv_cache, kv_cache_bytes
+from jaxserve.model.llama import Weights, compute_logits, forward, pack_linear_weights, unstack_layers, weight_axes
 from jaxserve.packing import Layout, RowLayout
 from jaxserve.sampler import PromptLogprobs, SamplerOutput, SamplingInputs, prompt_logprobs, sample
 
@@ -50,6 +51,7 @@ def step_fn(
     prompt_rows: RowLayout,
     backends: ops.Backends,
     hidden_layer_ids: tuple[int, ...] = (),
+    out_shardings=None,  # (the KV cache's shardings, replicated) under tensor parallelism
 ):
     """-> ((sampled i32[R, C], prompt logprobs i32[T, C'] | None), kv), or with `hidden_layer_ids`
     ((sampled, prompt logprobs | None, aux f[T, len(ids) * D]), kv): the residual streams entering those layers,
@@ -70,6 +72,10 @@ def step_fn(
     if hidden_layer_ids:
         T = hidden.shape[1]
         out += (jnp.transpose(hidden, (1, 0, 2)).reshape(T, -1),)
+    if out_shardings is not None:  # the cache keeps its sharding across steps; outputs come back whole
+        kv_shardings, replicated = out_shardings
+        kv = jax.lax.with_sharding_constraint(kv, kv_shardings)
+        out = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, replicated), out)
     return out, kv
 
 
@@ -105,7 +111,8 @@ class ModelRunner:
         self.native_matmul = self.backends.matmul == "native"
         if self.native_matmul:
             host_weights = pack_linear_weights(host_weights)
-        self.weights = jax.device_put(host_weights)
+        self.mesh = self.backends.mesh  # tensor parallel: weights and KV cache sharded by their logical axes
+        self.weights = jax.device_put(host_weights, self._shardings(host_weights, weight_axes(host_weights)))
         num_pages = engine_cfg.num_pages
         if num_pages is None:
             raise ValueError("ModelRunner needs a resolved num_pages (LLMEngine resolves it from the memory budget)")
@@ -116,12 +123,17 @@ class ModelRunner:
             self.kv_dtype.name,
             kv_cache_bytes(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype) / 2**20,
         )
-        self.kv = init_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype)
+        kv = init_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype)
+        kv_axes = KVCache(KV_AXES, KV_AXES, *((KV_SCALE_AXES, KV_SCALE_AXES) if kv.quantized else ()))
+        kv_shardings = self._shardings(kv, kv_axes)
+        self.kv = jax.device_put(kv, kv_shardings)
+        self._replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         self.rows, self.prompt_rows = self._output_layouts()
         self._jitted = jax.jit(
             functools.partial(
                 step_fn, model_cfg, engine_cfg.max_logprobs, rows=self.rows, prompt_rows=self.prompt_rows,
                 backends=self.backends, hidden_layer_ids=self.hidden_layer_ids,
+                out_shardings=None if self.mesh is None else (kv_shardings, self._replicated),
             ),
             static_argnames=("layout",),
             donate_argnames=("kv",),
@@ -129,6 +141,12 @@ class ModelRunner:
         self._layouts: dict[tuple[Bucket, bool], Layout] = {}
         self._executables: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}
         self.num_compiles = 0
+
+    def _shardings(self, tree, axes):
+        """Where `tree`'s arrays go: by their logical axes on the mesh, or the default device without one."""
+        if self.mesh is None:
+            return None
+        return sharding.shardings(self.mesh, self.engine_cfg.mesh, tree, axes, sharding.model_units(self.model_cfg))
 
     def all_buckets(self) -> list[Bucket]:
         cfg = self.engine_cfg
@@ -179,7 +197,7 @@ class ModelRunner:
         if exe is None:
             t0 = time.perf_counter()
             lay = self.layout(bucket, prompt_logprobs)
-            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32)
+            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
             exe = self._jitted.lower(self.weights, self.kv, packed, layout=lay).compile()
             self._executables[key] = exe
             self.num_compiles += 1
@@ -203,7 +221,7 @@ class ModelRunner:
         if the batch has `prompt_targets`, the prompt log-probabilities."""
         with_prompt = batch.prompt_targets is not None
         exe = self.executable(bucket, with_prompt)
-        packed = jax.device_put(self.layout(bucket, with_prompt).pack(batch))
+        packed = jax.device_put(self.layout(bucket, with_prompt).pack(batch), self._replicated)
         out, self.kv = exe(self.weights, self.kv, packed)
         sampled, prompt_lp = out[:2]
         self.last_hidden = out[2] if self.hidden_layer_ids else None

@@ -6,16 +6,22 @@ that map the model's logical axes onto them. Arrays declare logical axes once, w
 weights in `model/llama.py`, the KV cache in `kv_cache.py`): "vocab", "embed", "heads", "kv_heads", "head_dim",
 "mlp", "layers", "batch". `partition_spec` turns an array's logical axes into a `PartitionSpec` under the rules.
 
-Sharding is by whole slices only: a dimension whose size the mesh axis does not divide is replicated instead (the
-default model's 3 KV heads under tp=2 are replicated on both shards, as vLLM replicates KV heads when tp exceeds
-or does not divide them), and a mesh axis of size 1 shards nothing.
+Sharding is by whole slices only: a dimension whose units (whole heads for the flattened head dimensions, see
+`model_units`) the mesh axis does not divide is replicated instead, and a mesh axis of size 1 shards nothing. For
+the KV heads the engine applies vLLM's rule first (`kv_head_replicas`): when tp is a multiple of the KV heads, each
+is stored tp / K times so every shard holds one; tp must divide the query heads.
 
 flax's logical-partitioning helpers (`flax.linen.logical_to_mesh_axes`) are not used: they serve linen modules'
 boxed parameter metadata, while our weights are plain pytrees whose axes are declared in a table, and the mapping
 itself is a dictionary lookup plus the divisibility rule above, which flax does not apply.
 
-Sharded execution itself (TP / PP / DP steps) is being built (issue 18): today an engine accepts a mesh that uses
-one device, and `factory.py` refuses larger ones with a message saying so.
+Tensor parallelism runs (`tp` > 1, `dp` = `pp` = 1): weights and the KV cache are placed by these rules and XLA's
+SPMD partitioner splits the dense layers (column-parallel q/k/v/gate/up, row-parallel o/down: two all-reduces of
+the hidden state per layer, plus one for the vocabulary-parallel embedding); attention runs per shard on its own
+heads under `shard_map` (`heads_shard_map`), so the native CPU kernel and the Pallas kernel see only local heads.
+Not yet: the sampler still all-gathers the vocabulary-sharded logits (two all-gathers of [rows, V] per step) before
+top-k / top-p / logprobs; pipeline and data parallelism are being built (issue 18), and `factory.check_mesh`
+refuses them at start, as it refuses EAGLE-3 and draft-model speculation on a sharded target (n-gram runs).
 """
 
 from __future__ import annotations
@@ -169,3 +175,45 @@ def shardings(mesh, cfg: MeshConfig, tree, axes_tree, units: dict[str, int] | No
 def model_units(model_cfg) -> dict[str, int]:
     """Indivisible units per logical axis of a Llama-family model: whole query and KV heads."""
     return {"heads": model_cfg.num_heads, "kv_heads": model_cfg.num_kv_heads}
+
+
+def tensor_parallel_size(mesh) -> int:
+    """The mesh's tensor-parallel degree (1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape["tp"]
+
+
+def kv_head_replicas(cfg: MeshConfig, num_heads: int, num_kv_heads: int) -> int:
+    """How many copies of each KV head tensor parallelism needs (vLLM's rule): 1 when tp divides the KV heads;
+    tp / K when tp is a multiple of them (each shard then holds one copy of the KV head its query heads use).
+    Raises, naming `mesh.tp`, when tp does not divide the query heads or neither rule applies."""
+    tp = cfg.tp
+    if num_heads % tp:
+        raise ValueError(f"mesh.tp={tp} must divide the model's {num_heads} attention heads")
+    if num_kv_heads % tp == 0:
+        return 1
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"mesh.tp={tp} must divide the model's {num_kv_heads} KV heads or be a multiple of them (KV heads are "
+            "then replicated)"
+        )
+    return tp // num_kv_heads
+
+
+def heads_shard_map(mesh, fn, q, k_pages, v_pages, k_scales, v_scales, *replicated):
+    """`fn(q, k_pages, v_pages, k_scales, v_scales, *replicated)` once per tensor-parallel shard, each on its own
+    query heads and KV heads (q f[T, N, H] and pages [P, page_size, K, H] split on their head axes, scales on K;
+    `replicated`: block tables and per-token metadata, whole on every shard). The kernel sees only local heads."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    heads, pages, scales = P(None, "tp", None), P(None, None, "tp", None), P(None, None, "tp")
+    quantized = k_scales is not None
+
+    def local(q, k, v, *rest):
+        ks, vs, rest = (rest[0], rest[1], rest[2:]) if quantized else (None, None, rest)
+        return fn(q, k, v, ks, vs, *rest)
+
+    args = (q, k_pages, v_pages) + ((k_scales, v_scales) if quantized else ()) + replicated
+    specs = (heads, pages, pages) + ((scales, scales) if quantized else ()) + tuple(
+        jax.tree.map(lambda _: P(), r) for r in replicated)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args)

@@ -67,8 +67,8 @@ def test_partition_specs_follow_the_rules_and_replicate_what_does_not_divide():
 
 
 def test_an_engine_refuses_a_mesh_it_cannot_run(tmp_path):
-    """On this process's one device: a mesh needing more devices fails at start naming the mesh, and (until sharded
-    steps exist) a multi-device mesh is refused rather than silently run on one device."""
+    """On this process's one device: a mesh needing more devices fails at start naming the mesh instead of silently
+    running on fewer; a one-device mesh runs (sharded engines: tests/test_tensor_parallel.py)."""
     from jaxserve import LLM
     from jaxserve.factory import check_mesh
 

@@ -86,6 +86,25 @@ def weight_axes(weights: Weights) -> Weights:
     )
 
 
+def repeat_kv_heads(cfg: ModelConfig, weights: Weights, r: int) -> tuple[ModelConfig, Weights]:
+    """The same model with every KV head stored `r` times (K -> K * r, consecutive copies), so tensor parallelism
+    over K * r shards gives each shard whole heads; query head i still reads a copy of KV head i // (N / K).
+    Host-side, on stacked unpacked weights, before placement."""
+    if r == 1:
+        return cfg, weights
+    K, H = cfg.num_kv_heads, cfg.head_dim
+
+    def repeat(a):  # [..., K * H] -> [..., K * r * H]
+        if a is None:
+            return None
+        a = np.asarray(a)
+        return np.repeat(a.reshape(*a.shape[:-1], K, H), r, axis=-2).reshape(*a.shape[:-1], K * r * H)
+
+    lw = weights.layers
+    layers = dataclasses.replace(lw, wk=repeat(lw.wk), wv=repeat(lw.wv), bk=repeat(lw.bk), bv=repeat(lw.bv))
+    return dataclasses.replace(cfg, num_kv_heads=K * r), dataclasses.replace(weights, layers=layers)
+
+
 def unstack_layers(weights: Weights) -> Weights:
     """The same weights with `layers` as a tuple of per-layer `LayerWeights` (views of the stacked arrays).
 
