@@ -54,30 +54,34 @@ def resolve_num_pages(
 
 
 def check_mesh(cfg: EngineConfig, model_config: ModelConfig | None = None):
-    """The engine's `jax.sharding.Mesh` (None without a mesh config), checked against this process's devices and,
-    given the model, against its heads (`sharding.kv_head_replicas`). Tensor parallelism runs; pipeline and data
-    parallelism are not built yet (issue 18) and are refused rather than silently run on fewer devices."""
+    """-> (the engine's `jax.sharding.Mesh` or None without a mesh config, how many copies of each KV head tensor
+    parallelism needs), checked against this process's devices and, given the model, its heads
+    (`sharding.kv_head_replicas`). Tensor parallelism runs; pipeline and data parallelism are not built yet
+    (issue 18) and are refused rather than silently run on fewer devices."""
     if cfg.mesh is None:
-        return None
+        return None, 1
     mesh = sharding.make_mesh(cfg.mesh)  # raises, naming the mesh, if there are too few devices
     if cfg.mesh.pp > 1 or cfg.mesh.dp > 1:
         raise NotImplementedError(
             f"mesh {cfg.mesh.name or cfg.mesh.shape}: pipeline (pp) and data (dp) parallelism are not available yet; "
             "tensor parallel meshes (tp2, tp4, tp8) are"
         )
-    if cfg.mesh.tp > 1:
-        spec = cfg.speculative_config
-        if spec is not None and spec.method != "ngram":
-            raise NotImplementedError(f"speculative_config.method={spec.method!r} with a tensor-parallel mesh is not "
-                                      "available yet; ngram is")
-        if model_config is not None:
-            sharding.kv_head_replicas(cfg.mesh, model_config.num_heads, model_config.num_kv_heads)
-    return mesh
+    if cfg.mesh.tp == 1:
+        return mesh, 1
+    spec = cfg.speculative_config
+    if spec is not None and spec.method != "ngram":
+        raise NotImplementedError(f"speculative_config.method={spec.method!r} with a tensor-parallel mesh is not "
+                                  "available yet; ngram is")
+    if model_config is None:
+        return mesh, 1
+    return mesh, sharding.kv_head_replicas(cfg.mesh, model_config.num_heads, model_config.num_kv_heads)
 
 
-def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> tuple[EngineConfig, ops.Backends]:
-    """`model_config`: the model as it will run (KV heads already replicated for tensor parallelism)."""
-    mesh = check_mesh(engine_config, model_config)
+def resolve_config(
+    engine_config: EngineConfig, model_config: ModelConfig, mesh=None
+) -> tuple[EngineConfig, ops.Backends]:
+    """`model_config`: the model as it will run (KV heads already replicated for tensor parallelism); `mesh`: from
+    `check_mesh`."""
     dtype = engine_config.dtype or default_dtype()
     max_model_len = min(engine_config.max_model_len, model_config.max_position_embeddings)
     scan = engine_config.scan_layers if engine_config.scan_layers is not None else jax.default_backend() != "cpu"
@@ -100,12 +104,10 @@ def resolve_config(engine_config: EngineConfig, model_config: ModelConfig) -> tu
 def build_engine_parts(model: str | None, engine_config: EngineConfig | None = None) -> EngineParts:
     ckpt = load_checkpoint(model)
     engine_config = engine_config or EngineConfig()
-    check_mesh(engine_config, ckpt.config)  # before the weights are read: a mesh that cannot run fails fast
-    tp = 1 if engine_config.mesh is None else engine_config.mesh.tp
-    r = 1 if tp == 1 else sharding.kv_head_replicas(engine_config.mesh, ckpt.config.num_heads, ckpt.config.num_kv_heads)
+    mesh, r = check_mesh(engine_config, ckpt.config)  # before the weights are read: a bad mesh fails fast
     model_config = dataclasses.replace(ckpt.config, num_kv_heads=ckpt.config.num_kv_heads * r)  # as it will run
     tokenizer = ckpt.tokenizer
-    cfg, backends = resolve_config(engine_config, model_config)
+    cfg, backends = resolve_config(engine_config, model_config, mesh)
     weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(cfg.dtype), ckpt.path)
     _, weights = repeat_kv_heads(ckpt.config, weights, r)
     del ckpt

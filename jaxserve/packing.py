@@ -84,11 +84,11 @@ class Layout:
 
     def pack(self, tree) -> np.ndarray:
         """Host side: a tree of numpy arrays with this layout's structure and shapes -> i32[size]."""
-        leaves, treedef = _leaves(tree)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)  # once per step: no key paths (the fields have names)
         if treedef != self.treedef:
             raise ValueError(f"tree structure {treedef} does not match the layout's {self.treedef}")
         buf = np.empty(self.size, np.int32)
-        for f, (_, leaf) in zip(self.fields, leaves):
+        for f, leaf in zip(self.fields, leaves):
             a = np.asarray(leaf)
             if a.shape != f.shape:
                 raise ValueError(f"{f.name}: shape {a.shape}, layout expects {f.shape}")
