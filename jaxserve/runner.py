@@ -61,13 +61,14 @@ def step_fn(
     h, kv, hidden = forward(model_cfg, weights, kv, inputs, hidden_layer_ids=hidden_layer_ids, backends=backends)
     if batch.prompt_targets is None:
         logits = compute_logits(weights, h[inputs.logits_indices])
-        sampled = sample(logits, batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids)
+        sampled = sample(logits, batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids,
+                         mesh=backends.mesh)
         out = (rows.pack(sampled), None)
     else:
         all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
         sampled = sample(all_logits[inputs.logits_indices], batch.sampling, max_logprobs=max_logprobs,
-                         draft_ids=batch.draft_ids)
-        lp = prompt_logprobs(all_logits, batch.prompt_targets, max_logprobs=max_logprobs)
+                         draft_ids=batch.draft_ids, mesh=backends.mesh)
+        lp = prompt_logprobs(all_logits, batch.prompt_targets, max_logprobs=max_logprobs, mesh=backends.mesh)
         out = (rows.pack(sampled), prompt_rows.pack(lp))
     if hidden_layer_ids:
         T = hidden.shape[1]

@@ -110,7 +110,7 @@ def _identity(x: jax.Array, _: SamplingInputs) -> jax.Array:
 
 
 def sample(
-    logits: jax.Array, s: SamplingInputs, *, max_logprobs: int, draft_ids: jax.Array | None = None
+    logits: jax.Array, s: SamplingInputs, *, max_logprobs: int, draft_ids: jax.Array | None = None, mesh=None
 ) -> SamplerOutput:
     """logits: f32[S, V] -> SamplerOutput.
 
@@ -193,7 +193,7 @@ class PromptLogprobs:
     top_logprobs: jax.Array  # f32[T, max_logprobs]
 
 
-def prompt_logprobs(logits: jax.Array, targets: jax.Array, *, max_logprobs: int) -> PromptLogprobs:
+def prompt_logprobs(logits: jax.Array, targets: jax.Array, *, max_logprobs: int, mesh=None) -> PromptLogprobs:
     """Log-probabilities of each position's *next* prompt token. logits: f32[T, V], targets: i32[T] (-1 = none)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=-1)
