@@ -17,6 +17,9 @@ import itertools
 import logging
 import time
 
+import jax
+import numpy as np
+
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import EngineDeadError, InvalidRequestError
@@ -24,6 +27,7 @@ from jaxserve.factory import build_engine_parts
 from jaxserve.input_processor import InputProcessor, PromptType
 from jaxserve.output_processor import OutputProcessor, Request
 from jaxserve.outputs import RequestOutput
+from jaxserve.pipeline import split_microbatches
 from jaxserve.sampler import SamplerOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledWork, Scheduler
@@ -36,6 +40,11 @@ __all__ = ["LLMEngine", "MAX_FAILED_STEPS", "PromptType"]
 logger = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS = 3  # device steps in a row that raise for every sequence before the engine is declared dead
+
+
+def _concat_rows(parts: list[tuple[SamplerOutput, int]]) -> SamplerOutput:
+    """Micro-batches' sampler outputs (each padded to its bucket) as one, the first `n` rows of each in order."""
+    return jax.tree.map(lambda *a: np.concatenate([x[:n] for x, (_, n) in zip(a, parts)]), *(o for o, _ in parts))
 
 
 class _RunFailed(Exception):
@@ -161,7 +170,8 @@ class LLMEngine:
         raises _RunFailed if the device step raised (KV cache intact) and EngineDeadError if it lost the cache."""
         while True:
             try:
-                bucket, batch = self.builder.build(work)
+                groups = self._microbatches(work)
+                steps = [self.builder.build(g) for g in groups]
                 break
             except RowBuildError as e:
                 failed.append(self._fail(self.requests[e.request_id], e.reason))
@@ -170,19 +180,31 @@ class LLMEngine:
                     return []
         t0 = time.perf_counter()
         try:
-            out, prompt_lp = self.runner.run(bucket, batch)
+            results = self.runner.run_many(steps)
         except Exception as e:
             if not self.runner.kv_is_intact():
                 raise EngineDeadError(e) from e
             raise _RunFailed(e) from e
         run_seconds = time.perf_counter() - t0
         self.num_steps += 1
-        if prompt_lp is not None:
-            self.output.record_prompt_logprobs(work, prompt_lp)
+        for g, (_, prompt_lp) in zip(groups, results):
+            if prompt_lp is not None:
+                self.output.record_prompt_logprobs(g, prompt_lp)
+        out = results[0][0] if len(results) == 1 else _concat_rows(
+            [(o, sum(1 + w.num_draft for w in g)) for g, (o, _) in zip(groups, results)])
         outputs = self._process(work, out, failed)  # an EAGLE-3 head drafts for the next step in here (timed)
         if self.spec is not None and timed:
-            self.spec.record_step(bucket, sum(w.num_tokens for w in work), run_seconds)
+            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)
         return outputs
+
+    def _microbatches(self, work: list[ScheduledWork]) -> list[list[ScheduledWork]]:
+        """The step's work as the runner's micro-batches: one group, or under pipeline parallelism up to one per
+        stage, contiguous and balanced by tokens (`pipeline.split_microbatches`)."""
+        if self.runner.num_microbatches == 1:
+            return [work]
+        sizes = split_microbatches([w.num_tokens for w in work], self.runner.num_microbatches)
+        starts = itertools.accumulate(sizes, initial=0)
+        return [work[a:a + n] for a, n in zip(starts, sizes)]
 
     def _process(self, work: list[ScheduledWork], out: SamplerOutput,
                  failed: list[RequestOutput]) -> list[RequestOutput]:

@@ -20,7 +20,8 @@ from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import kv_cache_bytes
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
-from jaxserve.model.llama import repeat_kv_heads
+from jaxserve.model.llama import repeat_kv_heads, stage_layer_bounds
+from jaxserve.pipeline import PipelineRunner
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.spec_decode import Proposer, make_proposer, proposer_cache_configs, target_hidden_layer_ids
 from jaxserve.tokenizer import Tokenizer
@@ -56,23 +57,21 @@ def resolve_num_pages(
 def check_mesh(cfg: EngineConfig, model_config: ModelConfig | None = None):
     """-> (the engine's `jax.sharding.Mesh` or None without a mesh config, how many copies of each KV head tensor
     parallelism needs), checked against this process's devices and, given the model, its heads
-    (`sharding.kv_head_replicas`). Tensor parallelism runs; pipeline and data parallelism are not built yet
-    (issue 18) and are refused rather than silently run on fewer devices."""
+    (`sharding.kv_head_replicas`). One engine is one data-parallel replica: a mesh with dp > 1 is refused here
+    (replicas are engines of their own, `data_parallel.py`)."""
     if cfg.mesh is None:
         return None, 1
+    if cfg.mesh.dp > 1:
+        raise ValueError(f"mesh {cfg.mesh.name or cfg.mesh.shape}: one engine runs one data-parallel replica "
+                         f"(mesh.dp={cfg.mesh.dp}); give each its own `MeshConfig.replica(i)`")
     mesh = sharding.make_mesh(cfg.mesh)  # raises, naming the mesh, if there are too few devices
-    if cfg.mesh.pp > 1 or cfg.mesh.dp > 1:
-        raise NotImplementedError(
-            f"mesh {cfg.mesh.name or cfg.mesh.shape}: pipeline (pp) and data (dp) parallelism are not available yet; "
-            "tensor parallel meshes (tp2, tp4, tp8) are"
-        )
-    if cfg.mesh.tp == 1:
-        return mesh, 1
     spec = cfg.speculative_config
-    if spec is not None and spec.method != "ngram":
-        raise NotImplementedError(f"speculative_config.method={spec.method!r} with a tensor-parallel mesh is not "
-                                  "available yet; ngram is")
-    if model_config is None:
+    if (cfg.mesh.pp > 1 or cfg.mesh.tp > 1) and spec is not None and spec.method != "ngram":
+        raise NotImplementedError(f"speculative_config.method={spec.method!r} on a sharded target (mesh "
+                                  f"{cfg.mesh.name or cfg.mesh.shape}) is not available yet; ngram is")
+    if model_config is not None and cfg.mesh.pp > 1:
+        stage_layer_bounds(model_config.num_layers, cfg.mesh.pp)  # raises, naming mesh.pp, if there are too few
+    if cfg.mesh.tp == 1 or model_config is None:
         return mesh, 1
     return mesh, sharding.kv_head_replicas(cfg.mesh, model_config.num_heads, model_config.num_kv_heads)
 
@@ -112,7 +111,11 @@ def build_engine_parts(model: str | None, engine_config: EngineConfig | None = N
     _, weights = repeat_kv_heads(ckpt.config, weights, r)
     del ckpt
     hidden_ids = target_hidden_layer_ids(cfg.speculative_config, model_config)
-    runner = ModelRunner(model_config, cfg, weights, cfg.dtype, hidden_layer_ids=hidden_ids, backends=backends)
+    if cfg.mesh is not None and cfg.mesh.pp > 1:
+        runner = PipelineRunner(model_config, cfg, weights, cfg.dtype, cfg.scan_layers)
+    else:
+        runner = ModelRunner(model_config, cfg, weights, cfg.dtype, hidden_layer_ids=hidden_ids, backends=backends,
+                             mesh=mesh)
     if cfg.precompile:
         runner.warmup()
     proposer = None

@@ -45,21 +45,27 @@ def step_fn(
     weights: Weights,
     kv: KVCache,
     packed: jax.Array,  # i32[*]  a StepBatch, see `layout`
+    x_in: jax.Array | None = None,  # f[T, D]  the residual stream from the previous pipeline stage
     *,
     layout: Layout,
     rows: RowLayout,
     prompt_rows: RowLayout,
     backends: ops.Backends,
     hidden_layer_ids: tuple[int, ...] = (),
-    out_shardings=None,  # (the KV cache's shardings, replicated) under tensor parallelism
+    out_shardings=None,  # (the KV cache's shardings, replicated) on a mesh
 ):
     """-> ((sampled i32[R, C], prompt logprobs i32[T, C'] | None), kv), or with `hidden_layer_ids`
     ((sampled, prompt logprobs | None, aux f[T, len(ids) * D]), kv): the residual streams entering those layers,
-    concatenated per token (EAGLE-3). Outputs travel packed (`rows`, `prompt_rows`): one fetch."""
+    concatenated per token (EAGLE-3). Outputs travel packed (`rows`, `prompt_rows`): one fetch.
+    A pipeline stage before the last (weights without `final_norm`) returns ((x f[T, D],), kv) instead: its
+    residual stream, for the next stage's `x_in`."""
     batch: StepBatch = layout.unpack(packed)
     inputs = batch.inputs
-    h, kv, hidden = forward(model_cfg, weights, kv, inputs, hidden_layer_ids=hidden_layer_ids, backends=backends)
-    if batch.prompt_targets is None:
+    h, kv, hidden = forward(model_cfg, weights, kv, inputs, x_in, hidden_layer_ids=hidden_layer_ids,
+                            backends=backends)
+    if weights.final_norm is None:
+        out = (h,)
+    elif batch.prompt_targets is None:
         logits = compute_logits(weights, h[inputs.logits_indices])
         sampled = sample(logits, batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids,
                          mesh=backends.mesh)
@@ -93,10 +99,17 @@ class ModelRunner:
         dtype: str,
         hidden_layer_ids: tuple[int, ...] = (),
         backends: ops.Backends | None = None,
+        mesh=None,
+        first_stage: bool = True,
     ):
         """`hidden_layer_ids`: also output the residual streams entering these layers (EAGLE-3 features); after
         each `run` they stay on device as `self.last_hidden`, f[T, len(ids) * D] in the step's token order.
-        `backends`: the kernels the step runs (`ops.resolve_backends`; resolved from `engine_cfg` if None)."""
+        `backends`: the kernels the step runs (`ops.resolve_backends`; resolved from `engine_cfg` if None).
+        `mesh`: the devices the weights and the cache live on, placed by their logical axes under
+        `engine_cfg.mesh` (default `backends.mesh`; None: the default device). `host_weights` may be one pipeline
+        stage's part (`model.llama.stage_weights`, with `model_cfg.num_layers` its layer count): the runner is
+        then that stage (`pipeline.PipelineRunner` chains them); `first_stage=False` for every stage but the first,
+        whose steps take the previous stage's residual stream."""
         self.model_cfg = model_cfg
         self.hidden_layer_ids = tuple(hidden_layer_ids)
         self.last_hidden: jax.Array | None = None
@@ -112,7 +125,11 @@ class ModelRunner:
         self.native_matmul = self.backends.matmul == "native"
         if self.native_matmul:
             host_weights = pack_linear_weights(host_weights)
-        self.mesh = self.backends.mesh  # tensor parallel: weights and KV cache sharded by their logical axes
+        self.mesh = mesh if mesh is not None else self.backends.mesh  # weights and KV placed by logical axes
+        self.first_stage = first_stage
+        self.last_stage = host_weights.final_norm is not None
+        self.publish = None  # multi-host: called with each run's (bucket, prompt logprobs?, packed) before running
+        self.num_microbatches = 1  # steps per engine step (pipeline parallelism splits one into several)
         self.weights = jax.device_put(host_weights, self._shardings(host_weights, weight_axes(host_weights)))
         num_pages = engine_cfg.num_pages
         if num_pages is None:
@@ -147,6 +164,8 @@ class ModelRunner:
         """Where `tree`'s arrays go: by their logical axes on the mesh, or the default device without one."""
         if self.mesh is None:
             return None
+        if self.mesh.size == 1:  # one device (a pipeline stage or replica without tp): everything on it, as it is
+            return NamedSharding(self.mesh, PartitionSpec())
         return sharding.shardings(self.mesh, self.engine_cfg.mesh, tree, axes, sharding.model_units(self.model_cfg))
 
     def all_buckets(self) -> list[Bucket]:
@@ -199,7 +218,9 @@ class ModelRunner:
             t0 = time.perf_counter()
             lay = self.layout(bucket, prompt_logprobs)
             packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
-            exe = self._jitted.lower(self.weights, self.kv, packed, layout=lay).compile()
+            x_in = None if self.first_stage else jax.ShapeDtypeStruct(
+                (bucket.num_tokens, self.model_cfg.hidden_size), self.dtype, sharding=self._replicated)
+            exe = self._jitted.lower(self.weights, self.kv, packed, x_in, layout=lay).compile()
             self._executables[key] = exe
             self.num_compiles += 1
             logger.info("compiled %s%s in %.1f s", bucket, " (prompt logprobs)" if prompt_logprobs else "",
@@ -220,14 +241,35 @@ class ModelRunner:
     def run(self, bucket: Bucket, batch: StepBatch) -> tuple[SamplerOutput, PromptLogprobs | None]:
         """One step: one transfer in, one executable call, one fetch out. Returns the sampler's outputs (numpy) and,
         if the batch has `prompt_targets`, the prompt log-probabilities."""
+        return self.run_many([(bucket, batch)])[0]
+
+    def run_many(self, steps: list[tuple[Bucket, StepBatch]]) -> list[tuple[SamplerOutput, PromptLogprobs | None]]:
+        """Several steps (an engine step's micro-batches) dispatched back to back, their outputs fetched at once."""
+        items = [self.pack(b, batch) for b, batch in steps]
+        if self.publish is not None:
+            self.publish(items)
+        outs = jax.device_get([out[:2] for out in self.execute(items)])
+        return [(self.rows.unpack(sampled), None if prompt_lp is None else self.prompt_rows.unpack(prompt_lp))
+                for sampled, prompt_lp in outs]
+
+    def pack(self, bucket: Bucket, batch: StepBatch) -> tuple[Bucket, bool, np.ndarray]:
+        """A step as what `execute` takes (and multi-host followers receive): (bucket, prompt logprobs?, packed)."""
         with_prompt = batch.prompt_targets is not None
+        return bucket, with_prompt, self.layout(bucket, with_prompt).pack(batch)
+
+    def execute(self, items: list[tuple[Bucket, bool, np.ndarray]]) -> list[tuple]:
+        """Run packed steps in order, without waiting for them: their device outputs (`step_fn`)."""
+        outs = []
+        for bucket, with_prompt, packed in items:
+            outs.append(self.call(bucket, with_prompt, jax.device_put(packed, self._replicated)))
+        self.last_hidden = outs[-1][2] if self.hidden_layer_ids and len(outs) == 1 else None
+        return outs
+
+    def call(self, bucket: Bucket, with_prompt: bool, packed: jax.Array, x_in: jax.Array | None = None) -> tuple:
+        """One executable call on device-resident inputs (the KV cache is donated and replaced)."""
         exe = self.executable(bucket, with_prompt)
-        packed = jax.device_put(self.layout(bucket, with_prompt).pack(batch), self._replicated)
-        out, self.kv = exe(self.weights, self.kv, packed)
-        sampled, prompt_lp = out[:2]
-        self.last_hidden = out[2] if self.hidden_layer_ids else None
-        sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
-        return self.rows.unpack(sampled), (self.prompt_rows.unpack(prompt_lp) if with_prompt else None)
+        out, self.kv = exe(self.weights, self.kv, packed, x_in)
+        return out
 
     def kv_is_intact(self) -> bool:
         """False once a failed executable call consumed the donated KV cache: the engine cannot go on."""

@@ -54,6 +54,9 @@ class MeshConfig:
     tp: int = 1
     rules: tuple[tuple[str, str | None], ...] = DEFAULT_RULES  # logical axis -> mesh axis (None = replicated)
     name: str | None = None  # the preset or file it came from, for messages
+    # which of `jax.devices()` the mesh uses, by index, dp-pp-tp order (None: the first dp * pp * tp); a data-parallel
+    # replica's config names its own slice (`replica`)
+    device_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for axis in MESH_AXES:
@@ -69,6 +72,13 @@ class MeshConfig:
                     f"mesh.rules.{logical}: unknown mesh axis {axis!r}; one of {', '.join(MESH_AXES)} or null"
                 )
         object.__setattr__(self, "rules", tuple((k, rules.get(k)) for k in LOGICAL_AXES))
+        if self.device_ids is not None:
+            ids = tuple(self.device_ids)
+            if len(ids) != self.num_devices or len(set(ids)) != len(ids) or any(
+                    not isinstance(i, int) or i < 0 for i in ids):
+                raise ValueError(f"mesh.device_ids must be {self.num_devices} distinct device indices >= 0 "
+                                 f"(dp * pp * tp), got {list(ids)}")
+            object.__setattr__(self, "device_ids", ids)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -121,6 +131,23 @@ class MeshConfig:
             return cls.from_dict(values, value)
         return cls.preset(value)
 
+    def replica(self, i: int) -> "MeshConfig":
+        """Data-parallel replica `i`'s own mesh: dp = 1, the same pp x tp, on its slice of this mesh's devices."""
+        if not 0 <= i < self.dp:
+            raise ValueError(f"replica {i} of a mesh with dp={self.dp}")
+        n = self.pp * self.tp
+        ids = self.device_ids or tuple(range(self.num_devices))
+        name = f"{self.name or 'mesh'}[replica {i}]"
+        return dataclasses.replace(self, dp=1, device_ids=ids[i * n:(i + 1) * n], name=name)
+
+    def stage(self, s: int) -> "MeshConfig":
+        """Pipeline stage `s`'s own mesh (of replica 0): dp = pp = 1, the same tp, on that stage's devices."""
+        if not 0 <= s < self.pp:
+            raise ValueError(f"stage {s} of a mesh with pp={self.pp}")
+        ids = self.device_ids or tuple(range(self.num_devices))
+        return dataclasses.replace(self, dp=1, pp=1, device_ids=ids[s * self.tp:(s + 1) * self.tp],
+                                   name=f"{self.name or 'mesh'}[stage {s}]")
+
     def mesh_axis(self, logical: str | None) -> str | None:
         """The mesh axis `logical` is sharded over, None if replicated (no rule, or the axis has size 1)."""
         axis = dict(self.rules).get(logical) if logical is not None else None
@@ -146,13 +173,18 @@ def partition_spec(cfg: MeshConfig, logical_axes: tuple[str | None, ...], shape:
 
 
 def make_mesh(cfg: MeshConfig, devices=None):
-    """The `jax.sharding.Mesh` of `cfg` over the first dp * pp * tp of `devices` (default: all of this process's
-    view, `jax.devices()`); raises, naming the mesh, if there are too few."""
+    """The `jax.sharding.Mesh` of `cfg` over `devices` (default: every device of the job, `jax.devices()`): the
+    ones `cfg.device_ids` names, else the first dp * pp * tp; raises, naming the mesh, if there are too few."""
     import jax
     from jax.sharding import Mesh
 
     devices = jax.devices() if devices is None else list(devices)
     n = cfg.num_devices
+    if cfg.device_ids is not None:
+        if max(cfg.device_ids) >= len(devices):
+            raise ValueError(f"mesh {cfg.name or ''}: device_ids {list(cfg.device_ids)} name devices beyond the "
+                             f"{len(devices)} available")
+        devices = [devices[i] for i in cfg.device_ids]
     if len(devices) < n:
         sizes = " x ".join(f"{a}={getattr(cfg, a)}" for a in MESH_AXES)
         raise ValueError(

@@ -53,9 +53,12 @@ class LayerWeights:
 @jax.tree_util.register_dataclass
 @dataclass
 class Weights:
-    embed: jax.Array  # f[V, D]
+    """A whole model, or one pipeline stage's part of it (`stage_weights`): the first stage has no input hidden
+    state and looks tokens up in `embed`; only the last has `final_norm` and the logits projection."""
+
+    embed: Optional[jax.Array]  # f[V, D]; None on stages after the first (unless the last needs it, tied)
     layers: LayerWeights
-    final_norm: jax.Array  # f[D]
+    final_norm: Optional[jax.Array]  # f[D]; None on stages before the last
     lm_head: Optional[jax.Array] = None  # f[D, V]; None when tied to `embed` (a PackedLinear once packed, tied or not)
 
 
@@ -81,8 +84,32 @@ def weight_axes(weights: Weights) -> Weights:
     layers = (tuple(layer(lw, False) for lw in weights.layers) if isinstance(weights.layers, tuple)
               else layer(weights.layers, True))
     return Weights(
-        embed=WEIGHT_AXES["embed"], layers=layers, final_norm=WEIGHT_AXES["final_norm"],
+        embed=None if weights.embed is None else WEIGHT_AXES["embed"], layers=layers,
+        final_norm=None if weights.final_norm is None else WEIGHT_AXES["final_norm"],
         lm_head=None if weights.lm_head is None else WEIGHT_AXES["lm_head"],
+    )
+
+
+def stage_layer_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [start, end) of `num_stages` pipeline stages, as even as the count allows (earlier
+    stages take the remainder: the last stage also runs the logits and the sampler)."""
+    if num_stages > num_layers:
+        raise ValueError(f"mesh.pp={num_stages} exceeds the model's {num_layers} layers (a stage needs one)")
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (s < extra) for s in range(num_stages)]
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    return [(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def stage_weights(weights: Weights, start: int, end: int, first: bool, last: bool) -> Weights:
+    """Stacked host weights -> the part one pipeline stage holds: layers [start, end), the embedding if it is the
+    first stage (or the last, with tied embeddings), the final norm and logits projection if it is the last."""
+    tied = weights.lm_head is None
+    return Weights(
+        embed=weights.embed if first or (last and tied) else None,
+        layers=jax.tree.map(lambda a: a[start:end], weights.layers),
+        final_norm=weights.final_norm if last else None,
+        lm_head=weights.lm_head if last else None,
     )
 
 
@@ -131,6 +158,8 @@ def pack_linear_weights(weights: Weights) -> Weights:
     layers = tuple(
         dataclasses.replace(w, **{f: ops.pack_linear(getattr(w, f)) for f in LINEAR_FIELDS}) for w in weights.layers
     )
+    if weights.final_norm is None:  # a pipeline stage before the last: no logits here
+        return dataclasses.replace(weights, layers=layers)
     head = weights.lm_head if weights.lm_head is not None else np.asarray(weights.embed).T
     return dataclasses.replace(weights, layers=layers, lm_head=ops.pack_linear(head))
 
@@ -155,11 +184,15 @@ def forward(
     weights: Weights,
     kv: KVCache,
     inputs: StepInputs,
+    x: jax.Array | None = None,
     *,
     hidden_layer_ids: tuple[int, ...] = (),
     backends: ops.Backends | None = None,
 ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """One ragged step: write the new tokens' KV, attend, and return the final-normed hidden states.
+
+    A pipeline stage (`stage_weights`) after the first takes the residual stream `x` f[T, D] from the one before
+    instead of looking tokens up; one before the last (no `final_norm`) returns its residual stream un-normed.
 
     Returns (h f[T, D], updated cache, hidden f[len(hidden_layer_ids), T, D] or None), where hidden[j] is the
     residual stream *entering* layer hidden_layer_ids[j] (id == num_layers means the final, pre-norm output).
@@ -171,7 +204,8 @@ def forward(
         backends = ops.Backends.default(packed_weights=isinstance(weights.lm_head, ops.PackedLinear))
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-    x = weights.embed[inputs.token_ids]  # [T, D]
+    if x is None:
+        x = weights.embed[inputs.token_ids]  # [T, D]
     meta = attention.token_metadata(inputs)
 
     ids = jnp.asarray(hidden_layer_ids, jnp.int32)  # [n]
@@ -200,6 +234,8 @@ def forward(
     if hidden_layer_ids:
         hidden = jnp.where((ids == cfg.num_layers)[:, None, None], x[None], hidden)  # id L: the final output
 
+    if weights.final_norm is None:  # a pipeline stage before the last
+        return x, kv, hidden
     h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)  # [T, D]
     return h, kv, hidden
 
