@@ -1,0 +1,179 @@
+"""Pipeline parallelism (and tensor parallelism on the KV-head counts the other tests do not cover) on 8 simulated
+CPU devices: a pipelined engine gives the single-device engine's greedy tokens and logprobs (1e-5) on a mixed batch
+with chunked prefill and preemption, with and without n-gram speculation, on tiny 4-layer models with 1, 3 and 8 KV
+heads; each stage holds only its layers (weights and KV cache) on its own devices; micro-batches overlap; no step
+recompiles after warm-up; impossible meshes fail at start naming the field.
+
+jax fixes its device count when it starts, so everything runs in one subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8; the tests read its JSON report.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+import jax
+import numpy as np
+from tiny_models import VARIANTS, make_tiny_model
+from jaxserve import LLM, SamplingParams
+
+assert len(jax.devices()) == 8
+tmp = sys.argv[2]
+VARIANTS.update(
+    kv1=dict(arch="llama", num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=4),
+    kv3=dict(arch="llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=4),
+    kv8=dict(arch="qwen2", num_attention_heads=8, num_key_value_heads=8, head_dim=8, num_hidden_layers=4,
+             tie_word_embeddings=True),
+)
+KW = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32), page_size=4, max_model_len=64,
+          num_pages=20, precompile=False)
+rng = np.random.default_rng(0)
+prompts = [{"prompt_token_ids": rng.integers(3, 250, int(rng.integers(3, 40))).tolist()} for _ in range(6)]
+prompts.append({"prompt_token_ids": [7, 8, 9, 10, 11] * 5})  # repetitive: n-gram drafts get accepted
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+report = {}
+
+
+def summary(llm):
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    eng = llm.llm_engine
+    return dict(tokens=[o.outputs[0].token_ids for o in outs],
+                logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                          for o in outs],
+                preemptions=eng.scheduler.num_preemptions,
+                accepted=0 if eng.spec is None else int(sum(eng.spec.metrics.num_accepted)))
+
+
+def placement(runner):
+    # per stage: its layers in the KV cache, the devices its KV and weights live on, per-device KV bytes
+    stages = getattr(runner, "stages", [runner])
+    return [dict(kv_layers=s.kv.k.shape[0],
+                 kv_devices=sorted(d.id for d in s.kv.k.sharding.device_set),
+                 weight_devices=sorted({d.id for w in jax.tree.leaves(s.weights) for d in w.sharding.device_set}),
+                 kv_shard_bytes=sorted({sh.data.nbytes for sh in s.kv.k.addressable_shards}),
+                 kv_bytes=s.kv.k.nbytes,
+                 has_embed=s.weights.embed is not None, has_head=s.weights.final_norm is not None)
+            for s in stages]
+
+
+CASES = {"kv1": ("pp2+ngram", "pp4"), "kv3": ("tp3", "pp2"), "kv8": ("pp2_tp2", "tp8")}
+for variant, meshes in CASES.items():
+    path = os.path.join(tmp, variant)
+    make_tiny_model(variant, path)
+    r = report[variant] = {"single": summary(LLM(path, **KW))}
+    for name in meshes:
+        mesh, _, spec = name.partition("+")
+        llm = LLM(path, mesh=mesh, **KW, **({"speculative_config": NGRAM} if spec else {}))
+        r[name] = summary(llm)
+        r[name]["placement"] = placement(llm.llm_engine.runner)
+        r[name]["kv_heads"] = llm.llm_engine.model_config.num_kv_heads
+
+# warm-up compiles every bucket of every stage; running never compiles again
+llm = LLM(os.path.join(tmp, "kv1"), mesh="pp2", **(KW | {"precompile": True}))
+runner = llm.llm_engine.runner
+report["compiles"] = dict(after_warmup=runner.num_compiles, buckets=len(runner.all_buckets()),
+                          stages=len(runner.stages))
+llm.generate(prompts, greedy, use_tqdm=False)
+report["compiles"]["after_run"] = runner.num_compiles
+
+errors = {}
+for variant, mesh in (("kv1", "pp8"), ("kv3", "tp2")):
+    try:
+        LLM(os.path.join(tmp, variant), mesh=mesh, **KW)
+        errors[mesh] = None
+    except Exception as e:
+        errors[mesh] = f"{type(e).__name__}: {e}"
+report["errors"] = errors
+print(json.dumps(report))
+"""
+
+CASES = {"kv1": ("pp2+ngram", "pp4"), "kv3": ("tp3", "pp2"), "kv8": ("pp2_tp2", "tp8")}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    tmp = str(tmp_path_factory.mktemp("pp"))
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, ROOT, tmp], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant,mesh", [(v, m) for v, ms in CASES.items() for m in ms])
+def test_sharded_engine_equals_one_device(report, variant, mesh):
+    single, sharded = report[variant]["single"], report[variant][mesh]
+    assert sharded["tokens"] == single["tokens"]
+    for a, b in zip(sharded["logprobs"], single["logprobs"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    assert sharded["preemptions"] > 0  # the batch was squeezed: preemption and recompute ran sharded too
+    if mesh.endswith("+ngram"):
+        assert sharded["accepted"] > 0
+
+
+def test_each_stage_holds_its_layers_on_its_own_devices(report):
+    # 4 layers over 2 stages of one device each: stage s has layers 2s, 2s+1 and their KV on device s
+    pp2 = report["kv1"]["pp2+ngram"]["placement"]
+    assert [s["kv_layers"] for s in pp2] == [2, 2]
+    assert [s["kv_devices"] for s in pp2] == [[0], [1]] and [s["weight_devices"] for s in pp2] == [[0], [1]]
+    assert [(s["has_embed"], s["has_head"]) for s in pp2] == [(True, False), (False, True)]
+    pp4 = report["kv1"]["pp4"]["placement"]
+    assert [s["kv_layers"] for s in pp4] == [1, 1, 1, 1] and [s["kv_devices"] for s in pp4] == [[0], [1], [2], [3]]
+    # pp2 x tp2, 8 KV heads: stage s on devices 2s, 2s+1, each device holding half the heads of its stage's layers
+    st = report["kv8"]["pp2_tp2"]["placement"]
+    assert [s["kv_devices"] for s in st] == [[0, 1], [2, 3]]
+    assert all(s["kv_shard_bytes"] == [s["kv_bytes"] // 2] for s in st)
+    # tied embeddings (kv8): the last stage keeps the embedding for its logits; untied (kv1): only the first has it
+    assert [s["has_embed"] for s in st] == [True, True]
+    assert [s["has_embed"] for s in pp4] == [True, False, False, False]
+
+
+def test_kv_heads_with_tensor_parallelism(report):
+    # 3 KV heads, 9 query heads: tp3 gives each shard one; 8 KV heads over tp8: one each, no replication
+    assert report["kv3"]["tp3"]["kv_heads"] == 3 and report["kv8"]["tp8"]["kv_heads"] == 8
+    assert report["kv8"]["tp8"]["placement"][0]["kv_shard_bytes"] == [report["kv8"]["tp8"]["placement"][0]["kv_bytes"] // 8]
+
+
+def test_pipelined_engine_never_recompiles_after_warmup(report):
+    c = report["compiles"]
+    assert c["after_warmup"] == c["buckets"] * c["stages"]
+    assert c["after_run"] == c["after_warmup"]
+
+
+def test_impossible_meshes_fail_at_start_naming_the_field(report):
+    e = report["errors"]
+    assert e["pp8"].startswith("ValueError") and "mesh.pp=8 exceeds the model's 4 layers" in e["pp8"]
+    assert e["tp2"].startswith("ValueError") and "mesh.tp=2 must divide the model's 9 attention heads" in e["tp2"]
+
+
+def test_stage_layer_bounds_are_contiguous_and_balanced():
+    from jaxserve.model.llama import stage_layer_bounds
+
+    assert stage_layer_bounds(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert stage_layer_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="mesh.pp=5 exceeds the model's 4 layers"):
+        stage_layer_bounds(4, 5)
+
+
+@pytest.mark.parametrize("tokens,groups,want", [
+    ([10, 1, 1, 1], 2, [1, 3]),  # a long prefill chunk alone, the decodes together
+    ([1, 1, 1, 1], 2, [2, 2]),
+    ([1, 1, 10], 2, [2, 1]),
+    ([3, 3, 3, 3], 4, [1, 1, 1, 1]),
+    ([100, 1], 2, [1, 1]),
+    ([5], 2, [1]),  # fewer sequences than stages: fewer micro-batches
+    ([], 2, []),
+])
+def test_microbatches_split_whole_sequences_by_tokens(tokens, groups, want):
+    from jaxserve.pipeline import split_microbatches
+
+    assert split_microbatches(tokens, groups) == want
