@@ -1,7 +1,8 @@
 """AsyncLLM: the engine behind an asyncio API, for servers and concurrent clients.
 
 Threads and queues:
-  - one *engine thread* owns the LLMEngine (which is not thread-safe) and runs its loop: take every pending
+  - one *engine thread* owns the LLMEngine (which is not thread-safe; with a mesh of dp > 1, a DataParallelEngine
+    whose step() runs its replicas on a small pool of its own) and runs its loop: take every pending
     command (add / abort) from `_commands`, run one `engine.step()` if anything is unfinished, hand each
     RequestOutput to its request's asyncio queue with `loop.call_soon_threadsafe`, repeat; when idle it blocks
     on `_commands`, so an idle server burns no CPU;
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import LLMEngine, PromptType
+from jaxserve.data_parallel import make_engine
+from jaxserve.engine import PromptType
 from jaxserve.errors import EngineDeadError, RequestFailedError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -70,7 +72,7 @@ class _Sink:
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, engine_config: EngineConfig | None = None):
-        self.engine = LLMEngine(model, engine_config)
+        self.engine = make_engine(model, engine_config)  # a DataParallelEngine when mesh.dp > 1
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._error: EngineDeadError | None = None
@@ -144,6 +146,8 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self._commands.put(_Stop())
         self._thread.join(timeout=30)
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     # ---- engine thread --------------------------------------------------------------------------------------
 

@@ -164,6 +164,21 @@ class BlockManager:
         seq.num_computed_tokens = hit
         return hit
 
+    def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Tokens at the start of `token_ids` that `reuse_prefix` would find cached now, in whole pages (read-only:
+        for routing requests between engine replicas)."""
+        if not self.enable_prefix_caching:
+            return 0
+        parent, n = None, 0
+        for i in range((len(token_ids) - 1) // self.page_size):
+            tokens = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
+            h = hash((parent, tokens))
+            page = self._by_hash.get(h)
+            if page is None or self._page_key[page][1] != tokens:
+                break
+            parent, n = h, n + self.page_size
+        return n
+
     def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Statistics for admitted sequences: `num_hit` of `num_tokens` came from the prefix cache."""
         self.num_prefix_queries += num_tokens

@@ -11,7 +11,8 @@ import itertools
 from typing import Sequence
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine, PromptType
+from jaxserve.data_parallel import make_engine
+from jaxserve.engine import PromptType
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -20,7 +21,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, engine_config: EngineConfig | None = None, **engine_args):
         """`engine_args` are EngineConfig fields (vLLM's names: max_model_len, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, kv_cache_dtype, dtype, ...); an unknown name raises ValueError listing the known ones.
-        max_model_len defaults to the model's context length."""
+        max_model_len defaults to the model's context length. A mesh with dp > 1 (mesh="dp2_tp2") runs dp engine
+        replicas behind `llm_engine` (`jaxserve.data_parallel.DataParallelEngine`)."""
         if engine_config is None:
             engine_args.setdefault("max_model_len", None)
             if engine_args["max_model_len"] is None:
@@ -30,7 +32,7 @@ class LLM:
             raise ValueError(
                 f"pass engine options either in engine_config or as arguments, not both: {sorted(engine_args)}"
             )
-        self.llm_engine = LLMEngine(model, engine_config)
+        self.llm_engine = make_engine(model, engine_config)  # a DataParallelEngine when mesh.dp > 1
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -20,8 +20,9 @@ Cancellation: when a client cancels, disconnects or hits its deadline, grpc.aio 
 coroutine; its `finally` cancels the pump task, whose closing of AsyncLLM.generate sends an abort, and the engine
 thread frees the pages before its next step.
 Readiness (health): the engine thread is alive, the server is not draining, and the engine has made a step within
-`stall_timeout_s` whenever requests are in flight. The watchdog task re-evaluates this every
-`watchdog_interval_s` and tells listeners (the gRPC health servicer) when it changes.
+`stall_timeout_s` whenever requests are in flight. Under data parallelism one engine thread steps every replica and
+a replica that dies kills it, so ready means every replica is alive (progress: any replica's step). The watchdog
+task re-evaluates this every `watchdog_interval_s` and tells listeners (the gRPC health servicer) when it changes.
 Drain (SIGTERM): stop admitting, let in-flight requests finish up to a grace period, abort the rest.
 Prompts: text is tokenized here, in a worker thread (never on the event loop: a 1M-character prompt takes ~1 s),
 after the character limit, so that prompt + max_tokens is checked against max_model_len before admission.
@@ -68,21 +69,28 @@ class _EngineCollector:
 
     def collect(self):
         s = self.serving.stats()
-        for name, doc, value in (
-            ("num_requests_running", "Sequences running in the engine.", s["num_requests_running"]),
+        # Under data parallelism (`replicas` in the stats) the engine's gauges and counters carry one sample per
+        # replica, labelled replica="0", "1", ... (sum them for the whole server, as with vLLM's engine label);
+        # the server's own (in flight, ready) and the speculation family stay unlabelled.
+        replicas = s.get("replicas")
+        for name, doc, key in (
+            ("num_requests_running", "Sequences running in the engine.", "num_requests_running"),
             ("num_requests_waiting", "Sequences queued in the engine, waiting for a seat or KV pages.",
-             s["num_requests_waiting"]),
-            ("num_requests_in_flight", "Requests admitted by the server and not finished.",
-             s["num_requests_in_flight"]),
-            ("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0..1).", s["kv_cache_usage"]),
+             "num_requests_waiting"),
+            ("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0..1).", "kv_cache_usage"),
             ("prefix_cache_hit_rate", "Fraction of looked-up prompt tokens served from the prefix cache.",
-             s["prefix_cache_hit_rate"]),
-            ("ready", "1 while the server is ready to serve.", float(self.serving.ready)),
+             "prefix_cache_hit_rate"),
         ):
-            yield GaugeMetricFamily(f"jaxserve_{name}", doc, value=value)
-        c = CounterMetricFamily("jaxserve_num_preemptions", "Sequences preempted (recompute).",
-                                value=s["num_preemptions"])
-        yield c
+            yield _per_replica(GaugeMetricFamily, f"jaxserve_{name}", doc, key, s, replicas)
+        yield GaugeMetricFamily("jaxserve_num_requests_in_flight", "Requests admitted by the server and not finished.",
+                                value=s["num_requests_in_flight"])
+        yield GaugeMetricFamily("jaxserve_ready", "1 while the server is ready to serve.",
+                                value=float(self.serving.ready))
+        yield _per_replica(CounterMetricFamily, "jaxserve_num_preemptions", "Sequences preempted (recompute).",
+                           "num_preemptions", s, replicas)
+        if replicas is not None:
+            yield _per_replica(CounterMetricFamily, "jaxserve_num_engine_steps", "Engine steps run.", "num_steps", s,
+                               replicas)
         if "spec_decode_acceptance_rate" in s:  # present when the engine runs speculative decoding
             yield GaugeMetricFamily(
                 "jaxserve_spec_decode_acceptance_rate", "Accepted / proposed draft tokens.",
@@ -105,6 +113,16 @@ class _EngineCollector:
                 for i, n in enumerate(s[f"spec_decode_num_{what}_tokens_per_pos"]):
                     per_pos.add_metric([str(i)], n)
                 yield per_pos
+
+
+def _per_replica(family, name: str, doc: str, key: str, stats: dict, replicas: list[dict] | None):
+    """One unlabelled sample of `stats[key]`, or with data-parallel replicas one per replica labelled `replica`."""
+    if replicas is None:
+        return family(name, doc, value=stats[key])
+    m = family(name, doc, labels=["replica"])
+    for i, r in enumerate(replicas):
+        m.add_metric([str(i)], r[key])
+    return m
 
 
 class _Latest:

@@ -61,6 +61,23 @@ def engine_config_from(args: argparse.Namespace, parser: argparse.ArgumentParser
     return EngineConfig.from_dict({k: v for k, v in values.items() if v is not None}, "engine options")
 
 
+_HOST_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def simulate_host_devices(mesh, environ) -> bool:
+    """Give a CPU-only run the `mesh.num_devices` devices a multi-device mesh needs: append
+    `--xla_force_host_platform_device_count=N` to `$XLA_FLAGS`, which only the host (CPU) platform reads, so an
+    accelerator run is unaffected. Only while jax has not created its backends yet (they read the flag once) and
+    the flag is not set already; True if it was set. Otherwise a mesh too big fails at start, naming the mesh."""
+    from jax._src import xla_bridge
+
+    flags = environ.get("XLA_FLAGS", "")
+    if mesh is None or mesh.num_devices < 2 or _HOST_DEVICES in flags or xla_bridge.backends_are_initialized():
+        return False
+    environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICES}={mesh.num_devices}".strip()
+    return True
+
+
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import asyncio
 
@@ -81,6 +98,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         name = (os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0] if args.model
                 else "SmolLM2-135M-Instruct")
     api_key = api_key_from(args.api_key, os.environ)
+    simulate_host_devices(engine_config.mesh, os.environ)
     llm = AsyncLLM(args.model, engine_config)
     serving = ServingEngine(llm, name, limits, stall_timeout_s=args.stall_timeout)
     cfg = ServerConfig(
