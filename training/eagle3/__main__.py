@@ -35,6 +35,32 @@ def features(argv) -> None:
     print(json.dumps(meta))
 
 
+def _add_parallel_args(ap) -> None:
+    ap.add_argument("--mesh", default=None,
+                    help="data-parallel mesh: a preset (dp2, dp8) or configs/mesh/*.yaml; dp > 1, pp = tp = 1. The "
+                         "batch is sharded over dp, parameters replicated; --batch-tokens is the global batch")
+    ap.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                    help="multi-host: process 0's address (with --num-processes and --process-id)")
+    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--process-id", type=int, default=None)
+
+
+def _init_processes(a) -> None:
+    """Multi-host flags -> checked; the processes are not initialised yet. Once they are (before any jax
+    computation), `jax.devices()` spans every process and the trainer's mesh (`train.data_parallel_mesh`) with it."""
+    given = {"--coordinator": a.coordinator, "--num-processes": a.num_processes, "--process-id": a.process_id}
+    if all(v is None for v in given.values()):
+        return
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise SystemExit(f"multi-host training needs --coordinator, --num-processes and --process-id together "
+                         f"(missing {', '.join(missing)})")
+    if a.num_processes < 1 or not 0 <= a.process_id < a.num_processes:
+        raise SystemExit(f"--process-id must be in [0, --num-processes) (got {a.process_id} of {a.num_processes})")
+    raise SystemExit("--coordinator: multi-host training is not available yet (process start-up is being built in "
+                     "jaxserve/distributed.py, issue 18); run on one host's devices with --mesh dpN")
+
+
 def _train_config(a):
     from training.eagle3.train import TrainConfig
 
@@ -65,8 +91,10 @@ def train(argv) -> None:
     ap.add_argument("--log-every", type=int, default=d.log_every)
     ap.add_argument("--save-every", type=int, default=d.save_every)
     ap.add_argument("--seed", type=int, default=d.seed)
+    _add_parallel_args(ap)
     a = ap.parse_args(argv)
-    tr = Trainer(FeatureStore.open(a.features), _train_config(a), a.model)
+    _init_processes(a)
+    tr = Trainer(FeatureStore.open(a.features), _train_config(a), a.model, mesh=a.mesh)
     tr.train(a.out)
     if len(tr.eval_ids):
         print("[eval] held-out", json.dumps(tr.evaluate()))
@@ -82,9 +110,10 @@ def evaluate(argv) -> None:
     ap.add_argument("--ttt-steps", type=int, default=TrainConfig().ttt_steps)
     ap.add_argument("--eval-frac", type=float, default=TrainConfig().eval_frac, help="the split train used")
     ap.add_argument("--all", action="store_true", help="every sample, not just the held-out split")
+    ap.add_argument("--mesh", default=None, help="data-parallel mesh, as for train")
     a = ap.parse_args(argv)
     store = FeatureStore.open(a.features)
-    tr = Trainer(store, TrainConfig(ttt_steps=a.ttt_steps, eval_frac=a.eval_frac), head=a.head)
+    tr = Trainer(store, TrainConfig(ttt_steps=a.ttt_steps, eval_frac=a.eval_frac), head=a.head, mesh=a.mesh)
     print(json.dumps(tr.evaluate(ids=np.arange(store.num_samples) if a.all else None)))
 
 

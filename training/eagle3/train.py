@@ -5,6 +5,17 @@ is the target's, frozen and passed separately. Init: lm_head columns = the targe
 ids, norms = 1, other matrices ~ N(0, 0.02). Optimizer: global-norm clip, AdamW (b1 0.9, b2 0.95, weight decay on
 matrices only), linear warmup then cosine decay to 10% of the peak. Norm flags: all False (see Eagle3Config);
 export.py writes whatever the config holds, so training and serving agree.
+
+Data parallelism (`mesh`, a `jaxserve.sharding` mesh config with dp > 1 and pp = tp = 1): every array of a batch is
+sharded on its leading (row) dimension over the logical axis "batch"; parameters, optimizer state, the frozen
+embedding and the vocabulary arrays are replicated. The loss is one mean over the global batch (masked sums over
+all rows, then divided), so XLA's SPMD partitioner turns the row sums into per-device partial sums plus an
+all-reduce and the gradients come out averaged across dp: a sharded step is the unsharded step, up to the order of
+float additions. `batch_tokens` is the global batch. A plan's rows are padded to a multiple of dp with empty rows
+(length 0: every mask false), which add exact zeros to the sums and so leave the loss and gradients as they were;
+pick `batch_tokens` so the planner's row counts divide dp to waste nothing. Host arrays are placed shard by shard
+(`jax.make_array_from_callback`), so the mesh, built over `jax.devices()`, may span processes once they are
+initialised; every process then assembles the same global batch and process 0 alone exports.
 """
 
 from __future__ import annotations
@@ -20,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.eagle3 import load_eagle3
 from jaxserve.loader.weights import to_weights
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights
-from training.eagle3.batches import assemble, plan_batches
+from training.eagle3.batches import BatchPlan, assemble, plan_batches
 from training.eagle3.export import export_speculators
 from training.eagle3.features import FeatureStore
 from training.eagle3.ttt import VocabArrays, acceptance, ttt_loss
@@ -114,6 +126,33 @@ def split(num_samples: int, eval_frac: float, seed: int) -> tuple[np.ndarray, np
     return np.sort(perm[n_eval:]), np.sort(perm[:n_eval])
 
 
+def data_parallel_mesh(value) -> tuple[sharding.MeshConfig | None, jax.sharding.Mesh | None]:
+    """A trainer mesh config (a MeshConfig, preset name, .yaml path or mapping; None: one device) -> (config, mesh
+    over the first dp of `jax.devices()`). Only data parallelism is built: raises, naming the field, for pp > 1,
+    tp > 1, or dp > 1 with the "batch" rule mapping to no axis of size dp."""
+    cfg = sharding.MeshConfig.from_value(value)
+    if cfg is None:
+        return None, None
+    name = cfg.name or "mesh"
+    for field, size in (("pp", cfg.pp), ("tp", cfg.tp)):
+        if size > 1:
+            raise ValueError(f"mesh.{field}={size} ({name}): the EAGLE-3 trainer is data-parallel only; use a mesh "
+                             "with pp = tp = 1, e.g. dp2 or dp8")
+    if cfg.dp > 1 and cfg.mesh_axis("batch") is None:
+        raise ValueError(f"mesh.rules.batch ({name}): with dp={cfg.dp} the trainer shards the batch over dp, but "
+                         f"the rule maps it to {dict(cfg.rules)['batch']!r}; drop the rule or map batch to dp")
+    return cfg, sharding.make_mesh(cfg)  # raises, naming the mesh, if there are fewer than dp devices
+
+
+def _place(x, where):
+    """Host array -> a jax.Array laid out by the sharding `where` (None: the default device). Each process fills only
+    the shards on its own devices, from the same host value, so `where` may span processes."""
+    if where is None:
+        return jnp.asarray(x)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, where, lambda idx: x[idx])
+
+
 def _eval_step(loss_fn, params, embed, vocab, batch):
     return loss_fn(params, embed, vocab, batch)[1]
 
@@ -126,9 +165,16 @@ def _train_step(loss_fn, params, opt_state, embed, vocab, batch, *, tx):
 
 
 class Trainer:
-    def __init__(self, store: FeatureStore, tc: TrainConfig, model: str | None = None, head: str | None = None):
-        """`head`: start from an exported head (its vocabulary and weights) instead of a fresh one."""
+    def __init__(self, store: FeatureStore, tc: TrainConfig, model: str | None = None, head: str | None = None,
+                 mesh=None):
+        """`head`: start from an exported head (its vocabulary and weights) instead of a fresh one. `mesh`: a
+        data-parallel mesh config (`data_parallel_mesh`), checked before anything is loaded; None: one device."""
         self.store, self.tc = store, tc
+        self.mesh_config, self.mesh = data_parallel_mesh(mesh)
+        self.dp = 1 if self.mesh_config is None else self.mesh_config.dp
+        # replicated: parameters, optimizer state, embedding, vocabulary, the step's outputs
+        self._replicated = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh,
+                                                                                      jax.sharding.PartitionSpec())
         self.model = model or store.meta["model"]
         tcfg, embed, out_embed = load_target_embeddings(self.model)
         if tcfg.hidden_size != store.meta["hidden_size"] or tcfg.vocab_size != store.meta["vocab_size"]:
@@ -149,16 +195,28 @@ class Trainer:
             self.d2t, self.t2d = vocab_mapping(self.draft_ids, tcfg.vocab_size)
         print(f"[vocab] {len(self.draft_ids)} draft ids cover {coverage(counts, self.t2d):.4f} of "
               f"{int(counts.sum())} training output tokens", flush=True)
-        self.embed = jnp.asarray(embed)
-        self.vocab = VocabArrays(draft_ids=jnp.asarray(self.draft_ids, jnp.int32), t2d=jnp.asarray(self.t2d),
-                                 target_head=jnp.asarray(out_embed[self.draft_ids].T))
+        self.embed = self._replicate(embed)
+        self.vocab = self._replicate(VocabArrays(draft_ids=self.draft_ids.astype(np.int32), t2d=self.t2d,
+                                                 target_head=out_embed[self.draft_ids].T))
         if head is None:
-            self.params = init_head(self.cfg, out_embed, self.draft_ids, tc.seed)
+            self.params = self._replicate(init_head(self.cfg, out_embed, self.draft_ids, tc.seed))
         else:
-            self.params = jax.tree.map(jnp.asarray, dataclasses.replace(w, d2t=None))
+            self.params = self._replicate(dataclasses.replace(w, d2t=None))
         loss_fn = functools.partial(ttt_loss, self.cfg, num_steps=tc.ttt_steps, decay=tc.loss_decay)
-        self._eval_step = jax.jit(functools.partial(_eval_step, loss_fn))
+        self._eval_step = jax.jit(functools.partial(_eval_step, loss_fn), **self._out_replicated())
         self._train_step_fn = functools.partial(_train_step, loss_fn)
+
+    def _replicate(self, tree):
+        """Host or device arrays -> one copy on every mesh device (without a mesh: the default device)."""
+        return jax.tree.map(lambda x: _place(x, self._replicated), tree)
+
+    def _out_replicated(self) -> dict:
+        """jit keywords: every output replicated over the mesh (nothing without one)."""
+        return {} if self.mesh is None else dict(out_shardings=self._replicated)
+
+    def padded(self, plan: BatchPlan) -> BatchPlan:
+        """`plan` with its rows rounded up to a multiple of dp (the extra rows are empty: every mask false)."""
+        return dataclasses.replace(plan, rows=-(-plan.rows // self.dp) * self.dp)
 
     def _plans(self, ids, rng=None):
         tc = self.tc
@@ -166,8 +224,13 @@ class Trainer:
                             win_buckets=tc.win_buckets, batch_tokens=tc.batch_tokens, rng=rng)
 
     def _batch(self, plan):
+        """-> TTTBatch on the devices; with a mesh, rows padded to a multiple of dp and sharded over "batch"."""
         tc = self.tc
-        return jax.tree.map(jnp.asarray, assemble(self.store, plan, tc.ttt_steps, tc.len_buckets, tc.win_buckets))
+        host = assemble(self.store, self.padded(plan), tc.ttt_steps, tc.len_buckets, tc.win_buckets)
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, host)
+        axes = jax.tree.map(lambda a: ("batch",) + (None,) * (a.ndim - 1), host)  # rows over dp, the rest whole
+        return jax.tree.map(_place, host, sharding.shardings(self.mesh, self.mesh_config, host, axes))
 
     def evaluate(self, params=None, ids=None) -> dict:
         """Summed TTT stats over `ids` (default: the held-out split) -> acceptance() summary."""
@@ -182,9 +245,21 @@ class Trainer:
         return acceptance(jax.device_get(total))
 
     def export(self, path: str) -> None:
+        """Write the head (speculators format); on a mesh spanning processes, process 0 alone writes."""
+        if jax.process_index() != 0:
+            return
         export_speculators(path, self.cfg, jax.device_get(self.params), self.d2t, self.t2d,
                            verifier=verifier_name(self.model),
                            num_speculative_tokens=self.tc.num_speculative_tokens)
+
+    def init_opt_state(self, tx: optax.GradientTransformation):
+        return jax.jit(tx.init, **self._out_replicated())(self.params)
+
+    def train_step(self, tx: optax.GradientTransformation):
+        """The jitted step (params, opt_state, embed, vocab, batch) -> (params, opt_state, loss, stats); params and
+        opt_state are donated; with a mesh every output is replicated and the batch comes sharded (`_batch`)."""
+        return jax.jit(functools.partial(self._train_step_fn, tx=tx), donate_argnums=(0, 1),
+                       **self._out_replicated())
 
     def train(self, out_dir: str | None = None) -> list[dict]:
         """Run the loop; returns the logged records (step, loss, acc per TTT step, seconds per step)."""
@@ -193,10 +268,15 @@ class Trainer:
         per_epoch = len(self._plans(self.train_ids))
         total = tc.max_steps if tc.max_steps is not None else max(1, int(round(tc.epochs * per_epoch)))
         tx = make_optimizer(tc, total)
-        step_fn = jax.jit(functools.partial(self._train_step_fn, tx=tx), donate_argnums=(0, 1))
-        opt_state = tx.init(self.params)
+        step_fn, opt_state = self.train_step(tx), self.init_opt_state(tx)
         print(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples, {per_epoch} batches per "
               f"epoch, {total} steps", flush=True)
+        if self.mesh is not None:
+            epoch = self._plans(self.train_ids)
+            rows, padded = sum(p.rows for p in epoch), sum(self.padded(p).rows for p in epoch)
+            print(f"[train] mesh {self.mesh_config.name or self.mesh_config.shape}: data parallel over {self.dp} "
+                  f"devices; {padded - rows} of {padded} rows per epoch are dp padding (raise --batch-tokens so "
+                  "batches divide dp)", flush=True)
         log, acc_stats, plans, step, t_last = [], None, [], 0, time.perf_counter()
         while step < total:
             if not plans:
