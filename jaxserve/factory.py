@@ -61,14 +61,15 @@ def check_mesh(cfg: EngineConfig, model_config: ModelConfig | None = None):
     (replicas are engines of their own, `data_parallel.py`)."""
     if cfg.mesh is None:
         return None, 1
+    mesh = sharding.make_mesh(cfg.mesh)  # raises, naming the mesh, if there are too few devices
     if cfg.mesh.dp > 1:
         raise ValueError(f"mesh {cfg.mesh.name or cfg.mesh.shape}: one engine runs one data-parallel replica "
                          f"(mesh.dp={cfg.mesh.dp}); give each its own `MeshConfig.replica(i)`")
-    mesh = sharding.make_mesh(cfg.mesh)  # raises, naming the mesh, if there are too few devices
     spec = cfg.speculative_config
-    if (cfg.mesh.pp > 1 or cfg.mesh.tp > 1) and spec is not None and spec.method != "ngram":
-        raise NotImplementedError(f"speculative_config.method={spec.method!r} on a sharded target (mesh "
-                                  f"{cfg.mesh.name or cfg.mesh.shape}) is not available yet; ngram is")
+    if cfg.mesh.pp > 1 and spec is not None and spec.method == "eagle3":
+        raise NotImplementedError(f"speculative_config.method='eagle3' on a pipeline-parallel target (mesh "
+                                  f"{cfg.mesh.name or cfg.mesh.shape}) is not available yet: the head's features "
+                                  "come from layers on different stages; ngram and draft_model are")
     if model_config is not None and cfg.mesh.pp > 1:
         stage_layer_bounds(model_config.num_layers, cfg.mesh.pp)  # raises, naming mesh.pp, if there are too few
     if cfg.mesh.tp == 1 or model_config is None:

@@ -285,10 +285,13 @@ class ProposerRunner:
     elsewhere (the target's embedding), `device_input` an array already on device (the target step's features).
     """
 
-    def __init__(self, fn, host_weights, state, shared):
-        self.weights = jax.device_put(host_weights)
-        self.state = state
+    def __init__(self, fn, host_weights, state, shared, sharding=None):
+        """`sharding`: where the weights, the state and the inputs live (replicated on the target's mesh, or the
+        default device when None)."""
+        self.weights = jax.device_put(host_weights, sharding)
+        self.state = jax.device_put(state, sharding)
         self.shared = shared
+        self.sharding = sharding
         self._jitted = jax.jit(fn, static_argnames=("layout",), donate_argnums=(2,))
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self.num_compiles = 0
@@ -298,7 +301,8 @@ class ProposerRunner:
         exe = self._executables.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self.sharding)
+            device_input = jax.ShapeDtypeStruct(device_input.shape, device_input.dtype, sharding=self.sharding)
             lowered = self._jitted.lower(self.weights, self.shared, self.state, device_input, packed, layout=layout)
             exe = lowered.compile()
             self._executables[key] = exe
@@ -309,6 +313,6 @@ class ProposerRunner:
     def run(self, layout: Layout, inputs, device_input: jax.Array) -> np.ndarray:
         """`inputs`: the host pytree `layout` was derived from (e.g. the head's catch-up dataclass)."""
         exe = self.executable(layout, jax.ShapeDtypeStruct(device_input.shape, device_input.dtype))
-        packed = jax.device_put(layout.pack(inputs))
+        packed = jax.device_put(layout.pack(inputs), self.sharding)
         out, self.state = exe(self.weights, self.shared, self.state, device_input, packed)
         return np.asarray(jax.device_get(out))

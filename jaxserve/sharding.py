@@ -15,13 +15,14 @@ flax's logical-partitioning helpers (`flax.linen.logical_to_mesh_axes`) are not 
 boxed parameter metadata, while our weights are plain pytrees whose axes are declared in a table, and the mapping
 itself is a dictionary lookup plus the divisibility rule above, which flax does not apply.
 
-Tensor parallelism runs (`tp` > 1, `dp` = `pp` = 1): weights and the KV cache are placed by these rules and XLA's
-SPMD partitioner splits the dense layers (column-parallel q/k/v/gate/up, row-parallel o/down: two all-reduces of
-the hidden state per layer, plus one for the vocabulary-parallel embedding); attention runs per shard on its own
-heads under `shard_map` (`heads_shard_map`), so the native CPU kernel and the Pallas kernel see only local heads.
-Not yet: the sampler still all-gathers the vocabulary-sharded logits (two all-gathers of [rows, V] per step) before
-top-k / top-p / logprobs; pipeline and data parallelism are being built (issue 18), and `factory.check_mesh`
-refuses them at start, as it refuses EAGLE-3 and draft-model speculation on a sharded target (n-gram runs).
+Tensor parallelism (`tp` > 1): weights and the KV cache are placed by these rules and XLA's SPMD partitioner
+splits the dense layers (column-parallel q/k/v/gate/up, row-parallel o/down: two all-reduces of the hidden state per
+layer, plus one for the vocabulary-parallel embedding); attention runs per shard on its own heads under `shard_map`
+(`heads_shard_map`), so the native CPU kernel and the Pallas kernel see only local heads.
+Pipeline parallelism (`pp` > 1): each stage is its own engine runner on its own sub-mesh (`MeshConfig.stage`, the
+stage's tp devices), holding a contiguous slice of the layers (`jaxserve/pipeline.py`).
+Data parallelism (`dp` > 1): each replica is an engine of its own on its own slice of the devices
+(`MeshConfig.replica`); one engine refuses dp > 1 (`factory.check_mesh`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,11 @@ class MeshConfig:
         ids = self.device_ids or tuple(range(self.num_devices))
         return dataclasses.replace(self, dp=1, pp=1, device_ids=ids[s * self.tp:(s + 1) * self.tp],
                                    name=f"{self.name or 'mesh'}[stage {s}]")
+
+    def first_device(self) -> "MeshConfig":
+        """One device: this mesh's first (for a small model beside a sharded one, e.g. a draft model)."""
+        ids = self.device_ids or tuple(range(self.num_devices))
+        return MeshConfig(device_ids=ids[:1], name=f"{self.name or 'mesh'}[first device]")
 
     def mesh_axis(self, logical: str | None) -> str | None:
         """The mesh axis `logical` is sharded over, None if replicated (no rule, or the axis has size 1)."""

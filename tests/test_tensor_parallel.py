@@ -58,6 +58,32 @@ for variant in ("llama_gqa", "llama_mqa", "llama_tied", "qwen2_bias"):
     r["tp2_ngram"] = summary(llm)
     r["tp2_ngram"]["accepted"] = sum(llm.llm_engine.spec.metrics.num_accepted)
 
+# EAGLE-3 and a draft model on a tensor-parallel target (the head replicated beside the target's features; the
+# draft model whole on the target's first device): greedy output equals one device's, drafts get accepted
+import torch, transformers
+from test_eagle3 import LAYER_CFG, make_head
+torch.manual_seed(0)
+eagle_target = os.path.join(tmp, "eagle_target")
+transformers.LlamaForCausalLM(transformers.LlamaConfig(**(LAYER_CFG | dict(
+    num_hidden_layers=5, initializer_range=0.1, bos_token_id=1, eos_token_id=2)))).float().eval().save_pretrained(
+    eagle_target)
+plain = summary(LLM(eagle_target, **KW))
+counts = np.bincount([t for r in plain["tokens"] for t in r], minlength=300)
+head = os.path.join(tmp, "head")
+make_head(head, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)))  # always drafts the commonest token
+report["eagle3"] = {"single": plain}
+eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
+llm = LLM(eagle_target, mesh="tp2", speculative_config=eagle, **KW)
+report["eagle3"]["tp2"] = summary(llm)
+report["eagle3"]["tp2"]["accepted"] = sum(llm.llm_engine.spec.metrics.num_accepted)
+draft = {"method": "draft_model", "model": os.path.join(tmp, "llama_gqa"), "num_speculative_tokens": 3,
+         "adaptive": False}  # the target as its own draft: every greedy draft is accepted
+llm = LLM(os.path.join(tmp, "llama_gqa"), mesh="tp2", speculative_config=draft, **KW)
+report["llama_gqa"]["tp2_draft"] = summary(llm)
+report["llama_gqa"]["tp2_draft"]["accepted"] = sum(llm.llm_engine.spec.metrics.num_accepted)
+report["llama_gqa"]["tp2_draft"]["draft_devices"] = sorted(
+    d.id for d in llm.llm_engine.proposer.runner.kv.k.sharding.device_set)
+
 # collectives of one compiled decode step, and no recompiles after warm-up
 path = os.path.join(tmp, "llama_gqa")
 llm = LLM(path, mesh="tp2", **(KW | {"precompile": True}))
@@ -73,7 +99,7 @@ llm.generate(prompts, greedy, use_tqdm=False)
 report["hlo"]["compiles_after_run"] = runner.num_compiles
 
 errors = {}
-for variant, mesh in (("llama_gqa", "tp8"), ("llama_gqa", "pp2"), ("llama_gqa", "dp2_tp2")):
+for variant, mesh in (("llama_gqa", "tp8"), ("llama_mqa", "tp3")):
     try:
         LLM(os.path.join(tmp, variant), mesh=mesh, **KW)
         errors[mesh] = None
@@ -115,6 +141,18 @@ def test_kv_heads_are_sharded_or_replicated_like_vllm(report):
             assert spec + [None] * (5 - len(spec)) == [None, None, None, "tp", None]
 
 
+@pytest.mark.parametrize("case", ["eagle3", "draft_model"])
+def test_model_speculation_on_the_sharded_target_equals_one_device(report, case):
+    single, sharded = ((report["eagle3"]["single"], report["eagle3"]["tp2"]) if case == "eagle3"
+                       else (report["llama_gqa"]["single"], report["llama_gqa"]["tp2_draft"]))
+    assert sharded["tokens"] == single["tokens"]
+    for a, b in zip(sharded["logprobs"], single["logprobs"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    assert sharded["accepted"] > 0
+    if case == "draft_model":
+        assert sharded["draft_devices"] == [0]  # whole, on the target's first device
+
+
 def test_ngram_speculation_runs_on_the_sharded_target(report):
     assert all(report[v]["tp2_ngram"]["accepted"] > 0 for v in ("llama_gqa", "llama_mqa", "llama_tied", "qwen2_bias"))
 
@@ -128,5 +166,4 @@ def test_compiled_step_has_two_all_reduces_per_layer_and_never_recompiles(report
 def test_impossible_meshes_fail_at_start_naming_the_field(report):
     e = report["errors"]
     assert e["tp8"].startswith("ValueError") and "mesh.tp=8 must divide the model's 4 attention heads" in e["tp8"]
-    assert e["pp2"].startswith("NotImplementedError") and "pipeline (pp)" in e["pp2"]
-    assert e["dp2_tp2"].startswith("NotImplementedError")
+    assert e["tp3"].startswith("ValueError") and "mesh.tp=3 must divide the model's 4 attention heads" in e["tp3"]

@@ -21,6 +21,7 @@ import logging
 
 import numpy as np
 
+from jaxserve import sharding
 from jaxserve.batch import ScheduledSeq, StepBatch, build_step_inputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from jaxserve.loader import load_checkpoint
@@ -45,9 +46,13 @@ class DraftModelProposer(Proposer):
                 f"speculative_config.model {spec.model!r} has vocab_size {ckpt.config.vocab_size}, the target has "
                 f"{target.vocab_size}: a draft model must share the target's tokenizer"
             )
-        self.cfg = engine_cfg.replace(speculative_config=None)
+        # on a sharded target the draft model runs whole on the target's first device: it shares no arrays with
+        # the target (tokens travel through the host), and is small enough that splitting it would cost more
+        mesh_cfg = None if engine_cfg.mesh is None else engine_cfg.mesh.first_device()
+        self.cfg = engine_cfg.replace(speculative_config=None, mesh=mesh_cfg)
         weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(engine_cfg.dtype), ckpt.path)
-        self.runner = ModelRunner(ckpt.config, self.cfg, weights, engine_cfg.dtype)
+        self.runner = ModelRunner(ckpt.config, self.cfg, weights, engine_cfg.dtype,
+                                  mesh=None if mesh_cfg is None else sharding.make_mesh(mesh_cfg))
         logger.info("draft model %s: %d layers", spec.model, ckpt.config.num_layers)
 
     def warmup(self) -> None:

@@ -143,8 +143,11 @@ class Eagle3Proposer(Proposer):
         kv_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, engine_cfg.dtype)
         kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages, engine_cfg.page_size, kv_dtype)
         # the head's attention runs on the target's kernels (its linear maps follow its weights: unpacked, XLA dots)
-        fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size, runner.backends)
-        self.runner = ProposerRunner(fn, host, kv, shared=runner.weights.embed)
+        # On a tensor-parallel target the head runs replicated on the target's devices, beside the features and the
+        # (vocabulary-sharded) embedding it reads there; its attention is not split by heads.
+        backends = dataclasses.replace(runner.backends, mesh=None)
+        fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size, backends)
+        self.runner = ProposerRunner(fn, host, kv, shared=runner.weights.embed, sharding=runner._replicated)
         self._layouts: dict[Bucket, Layout] = {}
         logger.info(
             "EAGLE-3 head %s: draft vocab %d, target layers %s (input convention)",
