@@ -62,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--mesh", default=None,
                    help="device mesh: a preset (single, tp2, pp2_tp2, dp2, ...) or a configs/mesh/*.yaml file; "
-                   "tensor-parallel meshes run; pp / dp are not built yet")
+                   "dp = engine replicas, pp = pipeline stages, tp = tensor parallel (README: Parallelism)")
     p.add_argument(
         "--precompile",
         action=argparse.BooleanOptionalAction,

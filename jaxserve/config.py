@@ -193,8 +193,8 @@ class EngineConfig:
     seed: int = 0
     speculative_config: SpeculativeConfig | None = None  # or a dict with vLLM's keys: {"method": "ngram", ...}
     # Device mesh (`jaxserve.sharding.MeshConfig`): a preset name ("single", "tp2", "pp2_tp2", ...), a
-    # configs/mesh/*.yaml path or a mapping; None = one device. Tensor-parallel meshes run; pipeline and data
-    # parallel ones are refused at start until they are built (issue 18).
+    # configs/mesh/*.yaml path or a mapping; None = one device. One LLMEngine runs one dp replica (pp x tp);
+    # `data_parallel.make_engine` builds dp of them.
     mesh: MeshConfig | None = None
 
     def __post_init__(self):
