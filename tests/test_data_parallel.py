@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from multidevice import ROOT, run_on_devices
 
 _SCRIPT = r"""
 import json, os, sys
@@ -113,12 +113,7 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    tmp = str(tmp_path_factory.mktemp("dp"))
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, ROOT, tmp], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_on_devices(_SCRIPT, str(tmp_path_factory.mktemp("dp")), timeout=600)
 
 
 @pytest.mark.parametrize("mesh", ["dp2", "dp2_tp2", "dp2_pp2"])

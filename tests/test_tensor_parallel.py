@@ -8,14 +8,9 @@ jax fixes its device count when it starts, so everything runs in one subprocess 
 XLA_FLAGS=--xla_force_host_platform_device_count=8; the tests read its JSON report.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from multidevice import run_on_devices
 
 _SCRIPT = r"""
 import json, os, re, sys
@@ -112,12 +107,7 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    tmp = str(tmp_path_factory.mktemp("tp"))
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, ROOT, tmp], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_on_devices(_SCRIPT, str(tmp_path_factory.mktemp("tp")), timeout=900)
 
 
 @pytest.mark.parametrize("variant", ["llama_gqa", "llama_mqa", "llama_tied", "qwen2_bias"])
