@@ -180,7 +180,7 @@ class LLMEngine:
                     return []
         t0 = time.perf_counter()
         try:
-            results = self.runner.run_many(steps)
+            results = [self.runner.run(*steps[0])] if len(steps) == 1 else self.runner.run_many(steps)
         except Exception as e:
             if not self.runner.kv_is_intact():
                 raise EngineDeadError(e) from e
