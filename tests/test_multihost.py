@@ -1,0 +1,152 @@
+"""Multi-host serving (`jaxserve/distributed.py`): two processes on 127.0.0.1, 4 simulated CPU devices each, joined
+by `jax.distributed` (gloo collectives), build the same tp8 engine on a tiny model with 8 heads, so every layer's
+all-reduces cross the processes; process 0 leads (`LLM.generate` on a mixed batch, greedy) while process 1 follows
+its steps. The leader's tokens and logprobs equal one process's engine on one device, the follower ran every step
+the leader ran, and both stop cleanly. Also: the flags / environment resolution and the step message round trip.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxserve import distributed
+from jaxserve.batch import Bucket
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+from jaxserve import distributed
+ctx = distributed.initialize(sys.argv[3], 2, int(sys.argv[4]))
+import jax
+import numpy as np
+import tiny_models
+from jaxserve import LLM, SamplingParams
+
+assert (len(jax.devices()), len(jax.local_devices())) == (8, 4), jax.devices()
+tmp = sys.argv[2]
+path = os.path.join(tmp, "llama_h8")
+KW = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=64, num_pages=20, precompile=False)
+rng = np.random.default_rng(0)
+prompts = [{"prompt_token_ids": rng.integers(3, 250, int(n)).tolist()} for n in (3, 11, 26, 38, 7)]
+greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+llm = LLM(path, mesh="tp8", **KW)  # the same engine, config and model in every process
+runner = llm.llm_engine.runner
+distributed.check_supported(llm.llm_engine.config)
+report = dict(process_id=ctx.process_id, num_processes=ctx.num_processes,
+              kv_processes=sorted({d.process_index for d in runner.kv.k.sharding.device_set}))
+if ctx.is_leader:
+    leader = distributed.lead(runner, ctx)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    leader.stop()
+    report.update(tokens=[o.outputs[0].token_ids for o in outs],
+                  logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                            for o in outs],
+                  num_steps=llm.llm_engine.num_steps, preemptions=llm.llm_engine.scheduler.num_preemptions)
+    single = LLM(path, **KW, mesh={"device_ids": [0]})  # one device of this process: no collectives
+    s_outs = single.generate(prompts, greedy, use_tqdm=False)
+    report.update(single_tokens=[o.outputs[0].token_ids for o in s_outs],
+                  single_logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                                   for o in s_outs])
+else:
+    report.update(num_steps=distributed.follow(runner))
+report["num_compiles"] = runner.num_compiles
+print(json.dumps(report))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import tiny_models
+
+    tmp = str(tmp_path_factory.mktemp("multihost"))
+    tiny_models.VARIANTS["llama_h8"] = dict(arch="llama", num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+    tiny_models.make_tiny_model("llama_h8", os.path.join(tmp, "llama_h8"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+               "--xla_backend_optimization_level=0")
+    for k in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        env.pop(k, None)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT, ROOT, tmp, coordinator, str(i)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            done.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rc, out, err in done:
+        assert rc == 0, err[-4000:]
+    return [json.loads(out.splitlines()[-1]) for _, out, _ in done]
+
+
+def test_leader_follower_tp8_across_processes_equals_one_device(reports):
+    lead, follow = reports
+    assert (lead["process_id"], follow["process_id"], lead["num_processes"]) == (0, 1, 2)
+    assert lead["kv_processes"] == follow["kv_processes"] == [0, 1]  # the cache really spans both processes
+    assert lead["tokens"] == lead["single_tokens"]
+    assert all(len(t) == 8 for t in lead["tokens"])
+    np.testing.assert_allclose(np.concatenate(lead["logprobs"]), np.concatenate(lead["single_logprobs"]),
+                               rtol=1e-5, atol=1e-5)
+    assert follow["num_steps"] >= lead["num_steps"] > 1  # every engine step ran in the follower too
+    assert follow["num_compiles"] == lead["num_compiles"]  # the same executables, compiled on first use in both
+
+
+def test_step_message_round_trip():
+    items = [(Bucket(32, 4, 16), False, np.arange(-5, 100, dtype=np.int32)),
+             (Bucket(8, 2, 4, 6), True, np.array([2**31 - 1, -2**31], np.int32))]
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(distributed._encode(distributed._STEP, items))
+        kind, got = distributed._receive(b)
+        a.sendall(distributed._encode(distributed._STOP, []))
+        assert distributed._receive(b) == (distributed._STOP, [])
+    assert kind == distributed._STEP
+    for (b0, p0, x0), (b1, p1, x1) in zip(items, got):
+        assert (b0, p0) == (b1, p1) and x1.dtype == np.int32
+        np.testing.assert_array_equal(x0, x1)
+
+
+def test_flags_and_environment(monkeypatch):
+    for k in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+              "JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(k, raising=False)
+    assert distributed.initialize() is None  # one process: nothing to initialise
+    with pytest.raises(ValueError, match="missing --num-processes, --process-id"):
+        distributed.initialize("127.0.0.1:1234")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "2")
+    with pytest.raises(ValueError, match=r"--process-id must be in \[0, --num-processes\) \(got 2 of 2\)"):
+        distributed.initialize("127.0.0.1:1234")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        distributed.initialize("localhost")
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    distributed.add_cli_args(ap)
+    a = ap.parse_args(["--coordinator", "h:1", "--num-processes", "3", "--process-id", "1"])
+    assert (a.coordinator, a.num_processes, a.process_id) == ("h:1", 3, 1)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    for k, v in dict(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_STEP_NODELIST="n1", SLURM_NTASKS="1").items():
+        monkeypatch.setenv(k, v)
+    assert not distributed.cluster_detected()  # one task: single process
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert distributed.cluster_detected()
