@@ -22,10 +22,13 @@ Messages (network byte order): a header `!4sII` (b"JXS1", kind, item count), the
 num_tokens, num_seqs, max_pages, num_rows, with prompt logprobs, int32 count) and the int32 buffer. Kind 1 is a
 step, kind 2 stop.
 
-Limits: the mesh may span processes for tensor parallelism (every array of a step is on every process's devices);
-pipeline stages on different processes are not supported (the boundary transfer between stage meshes is a
-cross-process `device_put`, and the last stage's outputs would not be addressable on the leader); speculation with a
-device-side proposer (draft model, EAGLE-3) runs its own steps outside `run_many` and is refused; n-gram runs.
+Meshes: tensor parallelism may span processes (every array of a step lives on every process's devices; the leader
+reads its own replica of the outputs). Pipeline stages may sit on different processes: the stage boundary is then a
+cross-process `device_put`, which the CPU backend runs only with `jax_cross_host_transfer_socket_address` set
+(`initialize` sets it on CPU, or from `JAXSERVE_TRANSFER_ADDRESS`; without it jax raises "does not support
+cross-host device transfers"), and outputs that live only on other processes' devices are copied to process 0's in
+every process, the same copy in the same order (`_gather_outputs`). Speculation with a device-side proposer (draft
+model, EAGLE-3) runs its own steps outside `run_many` and is refused (`check_supported`); n-gram runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.batch import Bucket
 
@@ -47,7 +51,7 @@ ENV_COORDINATOR = "JAXSERVE_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXSERVE_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXSERVE_PROCESS_ID"
 ENV_STEP_PORT = "JAXSERVE_STEP_PORT"
-ADDRESS_KEY = "jaxserve/step_channel"
+ENV_TRANSFER_ADDRESS = "JAXSERVE_TRANSFER_ADDRESS"
 CONNECT_TIMEOUT_MS = 300_000
 
 _MAGIC = b"JXS1"
@@ -118,6 +122,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             raise ValueError(f"--process-id must be in [0, --num-processes) (got {process_id} of {num_processes})")
         if ":" not in coordinator:
             raise ValueError(f"--coordinator must be HOST:PORT (got {coordinator!r})")
+    _enable_cross_host_transfers(coordinator)
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):
         # CPU devices' collectives across processes need an implementation (the default has none); harmless where
         # the accelerators have their own
@@ -128,6 +133,27 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     logger.info("process %d of %d (coordinator %s): %d of %d devices local", ctx.process_id, ctx.num_processes,
                 ctx.coordinator, len(jax.local_devices()), len(jax.devices()))
     return ctx
+
+
+def _enable_cross_host_transfers(coordinator: str | None) -> None:
+    """Cross-process `device_put` (pipeline stages on different processes): on CPU it needs a transfer server's
+    address, this process's interface towards the coordinator and a port free now, unless one is set (port 0 does
+    not work: the address is published as given, and the receiving end of a copy then waits forever)."""
+    from jax._src import xla_bridge  # the flag is defined there, not on jax.config's attributes
+
+    if xla_bridge.CROSS_HOST_TRANSFER_SOCKET_ADDRESS.value:
+        return
+    address = os.environ.get(ENV_TRANSFER_ADDRESS)
+    if address is None and os.environ.get("JAX_PLATFORMS", jax.config.jax_platforms or "") == "cpu" and coordinator:
+        host, port = coordinator.rsplit(":", 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: the routing table answers
+            s.connect((host, int(port)))
+            ip = s.getsockname()[0]
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            address = f"{ip}:{s.getsockname()[1]}"
+    if address:
+        jax.config.update("jax_cross_host_transfer_socket_address", address)
 
 
 def initialize_from_args(args) -> DistributedContext | None:
@@ -144,10 +170,8 @@ def check_supported(engine_cfg) -> None:
     mesh = engine_cfg.mesh
     if mesh is not None and mesh.dp > 1:
         raise NotImplementedError(f"mesh {mesh.name or mesh.shape}: data parallelism (mesh.dp={mesh.dp}) is not "
-                                  "available on several processes; run one server per replica")
-    if mesh is not None and mesh.pp > 1 and jax.process_count() > 1:
-        raise NotImplementedError(f"mesh {mesh.name or mesh.shape}: pipeline stages (mesh.pp={mesh.pp}) are not "
-                                  "available on several processes (stage boundaries would cross processes); use tp")
+                                  "available on several processes (each replica is an engine with its own "
+                                  "scheduler); run one server per replica")
 
 
 # ---- the leader / follower step channel ----------------------------------------------------------------------
@@ -176,15 +200,16 @@ class Leader:
         self.connections = []
 
 
-def lead(runner, ctx: DistributedContext | None = None) -> Leader:
+def lead(runner, ctx: DistributedContext | None = None, channel: str = "steps") -> Leader:
     """On process 0: accept every follower's connection and set `runner.publish` to send each step's items to them.
-    Returns the `Leader`, whose `stop()` ends the followers' loops (call it at shutdown). Outputs of a step that spans
-    processes are not addressable as a whole; the leader reads its own replica of them (`runner.execute` wrapped)."""
+    Returns the `Leader`, whose `stop()` ends the followers' loops (call it at shutdown). `runner.execute` is wrapped
+    so its outputs are readable here (`_gather_outputs`, then this process's replica). `channel`: a name the
+    followers' `follow` gives too, one per runner led."""
     num_followers = jax.process_count() - 1
     port = int(os.environ.get(ENV_STEP_PORT, "0"))
     server = socket.create_server(("", port), backlog=max(1, num_followers))
     host = _channel_host(ctx)
-    _kv_set(ADDRESS_KEY, f"{host}:{server.getsockname()[1]}")
+    _kv_set(f"jaxserve/{channel}", f"{host}:{server.getsockname()[1]}")
     by_id: dict[int, socket.socket] = {}
     try:
         server.settimeout(CONNECT_TIMEOUT_MS / 1000)
@@ -197,15 +222,16 @@ def lead(runner, ctx: DistributedContext | None = None) -> Leader:
         server.close()
     leader = Leader([by_id[i] for i in sorted(by_id)])
     runner.publish = leader.publish
-    runner.execute = _local_outputs(runner.execute)
+    runner.execute = _readable_here(_gather_outputs(runner.execute))
     logger.info("leading %d followers", num_followers)
     return leader
 
 
-def follow(runner) -> int:
-    """On every process but 0: connect to the leader and run its steps (`runner.execute`, outputs never fetched)
-    until it says stop or closes the connection. Returns the number of steps run."""
-    host, port = _kv_get(ADDRESS_KEY).rsplit(":", 1)
+def follow(runner, channel: str = "steps") -> int:
+    """On every process but 0: connect to the leader's `channel` and run its steps (`runner.execute`, outputs never
+    fetched) until it says stop or closes the connection. Returns the number of steps run."""
+    execute = _gather_outputs(runner.execute)
+    host, port = _kv_get(f"jaxserve/{channel}").rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_MS / 1000)
     conn.settimeout(None)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -220,7 +246,7 @@ def follow(runner) -> int:
                 break
             if kind == _STOP:
                 break
-            runner.execute(items)
+            execute(items)
             num_steps += 1
     return num_steps
 
@@ -259,7 +285,31 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _local_outputs(execute):
+def _gather_outputs(execute):
+    """`execute` whose outputs living only on other processes' devices (a last pipeline stage there) are copied to
+    as many of process 0's devices, replicated. Every process runs it: a cross-process copy has both ends take
+    part, in the same order."""
+    shardings: dict[int, NamedSharding] = {}
+
+    def to_leader(array):
+        if not isinstance(array, jax.Array) or any(d.process_index == 0 for d in array.sharding.device_set):
+            return array
+        n = len(array.sharding.device_set)  # the copy keeps the device count (CopyArrays requires it)
+        if n not in shardings:
+            devices = [d for d in jax.devices() if d.process_index == 0][:n]
+            if len(devices) < n:
+                raise ValueError(f"a step output on {n} devices of other processes cannot be copied to process 0, "
+                                 f"which has {len(devices)}: give the last pipeline stage no more devices than it")
+            shardings[n] = NamedSharding(Mesh(np.asarray(devices, dtype=object), ("copy",)), PartitionSpec())
+        return jax.device_put(array, shardings[n])
+
+    def execute_gathered(items):
+        return [jax.tree.map(to_leader, out) for out in execute(items)]
+
+    return execute_gathered
+
+
+def _readable_here(execute):
     """`execute` whose outputs are this process's replica of each (replicated) output array: on a mesh spanning
     processes the whole array is not addressable, so `jax.device_get` on it would fail."""
     def local(array):

@@ -1,8 +1,9 @@
 """Multi-host serving (`jaxserve/distributed.py`): two processes on 127.0.0.1, 4 simulated CPU devices each, joined
-by `jax.distributed` (gloo collectives), build the same tp8 engine on a tiny model with 8 heads, so every layer's
-all-reduces cross the processes; process 0 leads (`LLM.generate` on a mixed batch, greedy) while process 1 follows
-its steps. The leader's tokens and logprobs equal one process's engine on one device, the follower ran every step
-the leader ran, and both stop cleanly. Also: the flags / environment resolution and the step message round trip.
+by `jax.distributed` (gloo collectives), build the same engines on a tiny model with 8 heads: tp8 (every layer's
+all-reduces cross the processes) and pp2_tp4 (one stage per process); process 0 leads (`LLM.generate` on a mixed
+batch, greedy, with a preemption) while process 1 follows its steps. The leader's tokens and logprobs equal one
+process's engine on one device, the follower ran every step the leader ran, and both stop cleanly.
+Also: the flags / environment resolution and the step message round trip.
 """
 
 import json
@@ -37,27 +38,32 @@ rng = np.random.default_rng(0)
 prompts = [{"prompt_token_ids": rng.integers(3, 250, int(n)).tolist()} for n in (3, 11, 26, 38, 7)]
 greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 
-llm = LLM(path, mesh="tp8", **KW)  # the same engine, config and model in every process
-runner = llm.llm_engine.runner
-distributed.check_supported(llm.llm_engine.config)
-report = dict(process_id=ctx.process_id, num_processes=ctx.num_processes,
-              kv_processes=sorted({d.process_index for d in runner.kv.k.sharding.device_set}))
-if ctx.is_leader:
-    leader = distributed.lead(runner, ctx)
+
+def summary(llm):
     outs = llm.generate(prompts, greedy, use_tqdm=False)
-    leader.stop()
-    report.update(tokens=[o.outputs[0].token_ids for o in outs],
-                  logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                            for o in outs],
-                  num_steps=llm.llm_engine.num_steps, preemptions=llm.llm_engine.scheduler.num_preemptions)
-    single = LLM(path, **KW, mesh={"device_ids": [0]})  # one device of this process: no collectives
-    s_outs = single.generate(prompts, greedy, use_tqdm=False)
-    report.update(single_tokens=[o.outputs[0].token_ids for o in s_outs],
-                  single_logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                                   for o in s_outs])
-else:
-    report.update(num_steps=distributed.follow(runner))
-report["num_compiles"] = runner.num_compiles
+    return dict(tokens=[o.outputs[0].token_ids for o in outs],
+                logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                          for o in outs],
+                preemptions=llm.llm_engine.scheduler.num_preemptions)
+
+
+
+report = dict(process_id=ctx.process_id, num_processes=ctx.num_processes)
+for mesh in ("tp8", "pp2_tp4"):  # the same engines, config and model in every process, in the same order
+    llm = LLM(path, mesh={"tp": 8} if mesh == "tp8" else {"pp": 2, "tp": 4}, **KW)
+    runner = llm.llm_engine.runner
+    distributed.check_supported(llm.llm_engine.config)
+    kv = [runner.kv] if mesh == "tp8" else [s.kv for s in runner.stages]
+    r = report[mesh] = dict(kv_processes=[sorted({d.process_index for d in c.k.sharding.device_set}) for c in kv])
+    if ctx.is_leader:
+        leader = distributed.lead(runner, ctx, channel=mesh)
+        r.update(summary(llm), num_steps=llm.llm_engine.num_steps)
+        leader.stop()
+    else:
+        r.update(num_steps=distributed.follow(runner, channel=mesh))
+    r["num_compiles"] = runner.num_compiles
+if ctx.is_leader:
+    report["single"] = summary(LLM(path, **KW, mesh={"device_ids": [0]}))  # one device of this process
 print(json.dumps(report))
 """
 
@@ -81,32 +87,40 @@ def reports(tmp_path_factory):
     for k in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
         env.pop(k, None)
     coordinator = f"127.0.0.1:{_free_port()}"
+    logs = [open(os.path.join(tmp, f"process{i}.log"), "w+") for i in range(2)]  # files: a full pipe would block
     procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT, ROOT, tmp, coordinator, str(i)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    done = []
+                              stdout=log, stderr=subprocess.STDOUT, text=True) for i, log in enumerate(logs)]
     try:
         for p in procs:
-            out, err = p.communicate(timeout=240)
-            done.append((p.returncode, out, err))
+            p.wait(timeout=200)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for rc, out, err in done:
-        assert rc == 0, err[-4000:]
-    return [json.loads(out.splitlines()[-1]) for _, out, _ in done]
+    outputs = []
+    for p, log in zip(procs, logs):
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+        assert p.returncode == 0, outputs[-1][-4000:]
+    return [json.loads([line for line in out.splitlines() if line.startswith("{")][-1]) for out in outputs]
 
 
-def test_leader_follower_tp8_across_processes_equals_one_device(reports):
+@pytest.mark.parametrize("mesh, kv_processes", [("tp8", [[0, 1]]), ("pp2_tp4", [[0], [1]])])
+def test_leader_follower_across_processes_equals_one_device(reports, mesh, kv_processes):
+    """tp8: every layer's all-reduces cross the processes; pp2_tp4: stage 0 on process 0, stage 1 on process 1
+    (the stage boundary and the outputs are cross-process copies)."""
     lead, follow = reports
     assert (lead["process_id"], follow["process_id"], lead["num_processes"]) == (0, 1, 2)
-    assert lead["kv_processes"] == follow["kv_processes"] == [0, 1]  # the cache really spans both processes
-    assert lead["tokens"] == lead["single_tokens"]
-    assert all(len(t) == 8 for t in lead["tokens"])
-    np.testing.assert_allclose(np.concatenate(lead["logprobs"]), np.concatenate(lead["single_logprobs"]),
+    got, single = lead[mesh], lead["single"]
+    assert got["kv_processes"] == follow[mesh]["kv_processes"] == kv_processes
+    assert got["tokens"] == single["tokens"]
+    assert all(len(t) == 8 for t in got["tokens"])
+    assert got["preemptions"] >= 1  # the batch outgrew the cache: preemption and recompute ran across processes
+    np.testing.assert_allclose(np.concatenate(got["logprobs"]), np.concatenate(single["logprobs"]),
                                rtol=1e-5, atol=1e-5)
-    assert follow["num_steps"] >= lead["num_steps"] > 1  # every engine step ran in the follower too
-    assert follow["num_compiles"] == lead["num_compiles"]  # the same executables, compiled on first use in both
+    assert follow[mesh]["num_steps"] >= got["num_steps"] > 1  # every engine step ran in the follower too
+    assert follow[mesh]["num_compiles"] == got["num_compiles"]  # the same executables, compiled on first use
 
 
 def test_step_message_round_trip():
