@@ -58,7 +58,7 @@ def run(V, tp):
     draft = np.where(rng.random(S) < 0.5, rng.integers(0, V, S), -1).astype(np.int32)
     draft[[0, 10]] = np.argmax(logits[[0, 10]], axis=-1)  # greedy rows whose draft is (probably) right
     targets = rng.integers(-1, V, S).astype(np.int32)
-    split = P(None, "tp") if V % tp == 0 else P()  # as the LM head leaves them: split, or whole when tp does not divide V
+    split = P(None, "tp") if V % tp == 0 else P()  # as the LM head leaves them: split, or whole (tp does not divide V)
     in_sh = None if mesh is None else (NamedSharding(mesh, split), NamedSharding(mesh, P()))
     f = jax.jit(functools.partial(sample, max_logprobs=MAX_LOGPROBS, mesh=mesh), in_shardings=in_sh)
     g = jax.jit(lambda x, s, d: sample(x, s, max_logprobs=MAX_LOGPROBS, draft_ids=d, mesh=mesh),

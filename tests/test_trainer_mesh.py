@@ -153,8 +153,9 @@ def test_meshes_the_trainer_cannot_run_fail_naming_the_field(report):
     assert "needs 16 devices but 8 are available" in e["dp16"]
     assert e["batch_rule"].startswith("ValueError: mesh.rules.batch")
     assert e["cli_tp2"].startswith("ValueError: mesh.tp=2")
-    assert e["cli_coordinator"].startswith("SystemExit: multi-host training needs --coordinator, --num-processes "
-                                           "and --process-id together (missing --num-processes, --process-id)")
+    assert e["cli_coordinator"].startswith("SystemExit: multi-host training: multi-host needs --coordinator, "
+                                           "--num-processes and --process-id together (missing --num-processes, "
+                                           "--process-id")
 
 
 def test_cli_trains_and_exports_on_a_mesh(report):

@@ -36,29 +36,30 @@ def features(argv) -> None:
 
 
 def _add_parallel_args(ap) -> None:
+    from jaxserve import distributed
+
     ap.add_argument("--mesh", default=None,
                     help="data-parallel mesh: a preset (dp2, dp8) or configs/mesh/*.yaml; dp > 1, pp = tp = 1. The "
-                         "batch is sharded over dp, parameters replicated; --batch-tokens is the global batch")
-    ap.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                    help="multi-host: process 0's address (with --num-processes and --process-id)")
-    ap.add_argument("--num-processes", type=int, default=None)
-    ap.add_argument("--process-id", type=int, default=None)
+                         "batch is sharded over dp, parameters replicated; --batch-tokens is the global batch. With "
+                         "several processes the mesh spans every process's devices")
+    distributed.add_cli_args(ap)
 
 
 def _init_processes(a) -> None:
-    """Multi-host flags -> checked; the processes are not initialised yet. Once they are (before any jax
-    computation), `jax.devices()` spans every process and the trainer's mesh (`train.data_parallel_mesh`) with it."""
-    given = {"--coordinator": a.coordinator, "--num-processes": a.num_processes, "--process-id": a.process_id}
-    if all(v is None for v in given.values()):
-        return
-    missing = [k for k, v in given.items() if v is None]
-    if missing:
-        raise SystemExit(f"multi-host training needs --coordinator, --num-processes and --process-id together "
-                         f"(missing {', '.join(missing)})")
-    if a.num_processes < 1 or not 0 <= a.process_id < a.num_processes:
-        raise SystemExit(f"--process-id must be in [0, --num-processes) (got {a.process_id} of {a.num_processes})")
-    raise SystemExit("--coordinator: multi-host training is not available yet (process start-up is being built in "
-                     "jaxserve/distributed.py, issue 18); run on one host's devices with --mesh dpN")
+    """Multi-host: join the job (`jaxserve.distributed.initialize`, before any jax computation) so `jax.devices()`,
+    and the trainer's mesh with it, span every process. Every process runs the same command; each fills only its
+    own devices' rows of a batch, and process 0 alone writes the head."""
+    from jaxserve import distributed
+
+    try:
+        ctx = distributed.initialize_from_args(a)
+    except ValueError as e:
+        raise SystemExit(f"multi-host training: {e}") from None
+    if ctx is not None:
+        import jax
+
+        print(f"[train] process {ctx.process_id} of {ctx.num_processes}: {len(jax.local_devices())} of "
+              f"{len(jax.devices())} devices here", flush=True)
 
 
 def _train_config(a):
@@ -110,8 +111,9 @@ def evaluate(argv) -> None:
     ap.add_argument("--ttt-steps", type=int, default=TrainConfig().ttt_steps)
     ap.add_argument("--eval-frac", type=float, default=TrainConfig().eval_frac, help="the split train used")
     ap.add_argument("--all", action="store_true", help="every sample, not just the held-out split")
-    ap.add_argument("--mesh", default=None, help="data-parallel mesh, as for train")
+    _add_parallel_args(ap)
     a = ap.parse_args(argv)
+    _init_processes(a)
     store = FeatureStore.open(a.features)
     tr = Trainer(store, TrainConfig(ttt_steps=a.ttt_steps, eval_frac=a.eval_frac), head=a.head, mesh=a.mesh)
     print(json.dumps(tr.evaluate(ids=np.arange(store.num_samples) if a.all else None)))
