@@ -71,8 +71,17 @@ class _Sink:
 
 
 class AsyncLLM:
-    def __init__(self, model: str | None = None, engine_config: EngineConfig | None = None):
+    def __init__(self, model: str | None = None, engine_config: EngineConfig | None = None, *,
+                 distributed_context=None):
+        """`distributed_context`: this process leads a multi-host job (`jaxserve.distributed.initialize`'s context,
+        process 0): every engine step is published to the other processes, which run `distributed.follow_engine`
+        with the same model and config; `shutdown` stops them."""
         self.engine = make_engine(model, engine_config)  # a DataParallelEngine when mesh.dp > 1
+        self._leader = None
+        if distributed_context is not None:
+            from jaxserve import distributed
+
+            self._leader = distributed.lead_engine(self.engine, distributed_context)
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._error: EngineDeadError | None = None
@@ -148,6 +157,8 @@ class AsyncLLM:
         self._thread.join(timeout=30)
         if hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
+        if self._leader is not None:
+            self._leader.stop()  # the followers leave their step loops
 
     # ---- engine thread --------------------------------------------------------------------------------------
 

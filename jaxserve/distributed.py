@@ -174,6 +174,21 @@ def check_supported(engine_cfg) -> None:
                                   "scheduler); run one server per replica")
 
 
+def lead_engine(engine, ctx: DistributedContext) -> Leader:
+    """`lead` for an LLMEngine (process 0 of `jaxserve serve`), after refusing what several processes do not run."""
+    check_supported(engine.config)
+    return lead(engine.runner, ctx)
+
+
+def follow_engine(model: str | None, engine_config) -> int:
+    """Every process but 0 of `jaxserve serve`: build the leader's engine (the same model and config give the same
+    placements and executables), then run its steps until it stops (`follow`)."""
+    from jaxserve.engine import LLMEngine
+
+    check_supported(engine_config)
+    return follow(LLMEngine(model, engine_config).runner)
+
+
 # ---- the leader / follower step channel ----------------------------------------------------------------------
 
 
@@ -229,7 +244,8 @@ def lead(runner, ctx: DistributedContext | None = None, channel: str = "steps") 
 
 def follow(runner, channel: str = "steps") -> int:
     """On every process but 0: connect to the leader's `channel` and run its steps (`runner.execute`, outputs never
-    fetched) until it says stop or closes the connection. Returns the number of steps run."""
+    fetched) until it says stop. Returns the number of steps run; raises ConnectionError if the leader goes away
+    without saying stop."""
     execute = _gather_outputs(runner.execute)
     host, port = _kv_get(f"jaxserve/{channel}").rsplit(":", 1)
     conn = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_MS / 1000)
@@ -241,9 +257,9 @@ def follow(runner, channel: str = "steps") -> int:
         while True:
             try:
                 kind, items = _receive(conn)
-            except ConnectionError as e:
-                logger.warning("the leader's connection closed without stop (%s): following ends", e)
-                break
+            except ConnectionError as e:  # the leader died: this process cannot go on alone
+                raise ConnectionError(f"the leader's step channel {channel!r} closed without a stop message after "
+                                      f"{num_steps} steps ({e})") from e
             if kind == _STOP:
                 break
             execute(items)
@@ -351,4 +367,4 @@ def _kv_get(key: str) -> str:
 
 
 __all__ = ["DistributedContext", "Leader", "add_cli_args", "check_supported", "cluster_detected", "follow",
-           "initialize", "initialize_from_args", "lead"]
+           "follow_engine", "initialize", "initialize_from_args", "lead", "lead_engine"]

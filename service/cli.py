@@ -16,6 +16,7 @@ import functools
 import os
 import sys
 
+from jaxserve import distributed
 from jaxserve.cli import add_engine_args, build_parser, engine_flags, run
 
 # The sizes EngineConfig derives other fields from (token and page buckets).
@@ -64,17 +65,19 @@ def engine_config_from(args: argparse.Namespace, parser: argparse.ArgumentParser
 _HOST_DEVICES = "--xla_force_host_platform_device_count"
 
 
-def simulate_host_devices(mesh, environ) -> bool:
-    """Give a CPU-only run the `mesh.num_devices` devices a multi-device mesh needs: append
-    `--xla_force_host_platform_device_count=N` to `$XLA_FLAGS`, which only the host (CPU) platform reads, so an
-    accelerator run is unaffected. Only while jax has not created its backends yet (they read the flag once) and
-    the flag is not set already; True if it was set. Otherwise a mesh too big fails at start, naming the mesh."""
+def simulate_host_devices(mesh, environ, num_processes: int = 1) -> bool:
+    """Give a CPU-only run the `mesh.num_devices` devices a multi-device mesh needs (its share of them, with several
+    processes): append `--xla_force_host_platform_device_count=N` to `$XLA_FLAGS`, which only the host (CPU)
+    platform reads, so an accelerator run is unaffected. Only while jax has not created its backends yet (they read
+    the flag once) and the flag is not set already; True if it was set. Otherwise a mesh too big fails at start,
+    naming the mesh."""
     from jax._src import xla_bridge
 
     flags = environ.get("XLA_FLAGS", "")
-    if mesh is None or mesh.num_devices < 2 or _HOST_DEVICES in flags or xla_bridge.backends_are_initialized():
+    per_process = 0 if mesh is None else -(-mesh.num_devices // max(1, num_processes))
+    if per_process < 2 or _HOST_DEVICES in flags or xla_bridge.backends_are_initialized():
         return False
-    environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICES}={mesh.num_devices}".strip()
+    environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICES}={per_process}".strip()
     return True
 
 
@@ -98,8 +101,21 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         name = (os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0] if args.model
                 else "SmolLM2-135M-Instruct")
     api_key = api_key_from(args.api_key, os.environ)
-    simulate_host_devices(engine_config.mesh, os.environ)
-    llm = AsyncLLM(args.model, engine_config)
+    num_processes = args.num_processes or int(os.environ.get(distributed.ENV_NUM_PROCESSES, "1"))
+    simulate_host_devices(engine_config.mesh, os.environ, num_processes)
+    try:
+        ctx = distributed.initialize_from_args(args)  # multi-host: before any jax computation
+    except ValueError as e:
+        parser.error(str(e))
+    if ctx is not None and not ctx.is_leader:
+        # a follower: no servers; it runs the leader's steps until the leader shuts down (or dies: exit 1)
+        try:
+            distributed.follow_engine(args.model, engine_config)
+        except ConnectionError as e:
+            print(f"jaxserve serve: process {ctx.process_id}: {e}", file=sys.stderr)
+            return 1
+        return 0
+    llm = AsyncLLM(args.model, engine_config, distributed_context=ctx)
     serving = ServingEngine(llm, name, limits, stall_timeout_s=args.stall_timeout)
     cfg = ServerConfig(
         host=args.host,
@@ -140,6 +156,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--stall-timeout", type=float, default=30.0,
                    help="health turns NOT_SERVING after this long without an engine step")
+    distributed.add_cli_args(s)
     s.set_defaults(func=functools.partial(_serve, parser=s))
     return s
 

@@ -3,7 +3,8 @@ by `jax.distributed` (gloo collectives), build the same engines on a tiny model 
 all-reduces cross the processes) and pp2_tp4 (one stage per process); process 0 leads (`LLM.generate` on a mixed
 batch, greedy, with a preemption) while process 1 follows its steps. The leader's tokens and logprobs equal one
 process's engine on one device, the follower ran every step the leader ran, and both stop cleanly.
-Also: the flags / environment resolution and the step message round trip.
+`jaxserve serve` itself across two processes (HTTP on the leader, tp4 over both); the flags / environment
+resolution and the step message round trip.
 """
 
 import json
@@ -164,3 +165,69 @@ def test_flags_and_environment(monkeypatch):
     assert not distributed.cluster_detected()  # one task: single process
     monkeypatch.setenv("SLURM_NTASKS", "2")
     assert distributed.cluster_detected()
+
+
+def _read_until(proc, pattern, lines, timeout=240):
+    """Lines of `proc`'s output until one matches `pattern` (the match), or the process ends (None)."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(pattern, line)
+        if m or time.monotonic() > deadline:
+            return m
+    return None
+
+
+def test_jaxserve_serve_across_two_processes(tmp_path):
+    """`jaxserve serve --mesh tp4 --coordinator ... --num-processes 2 --process-id I`: process 0 serves HTTP and
+    leads, process 1 follows (2 simulated CPU devices each, found by serve itself); a greedy completion equals one
+    device's `LLM.generate`; SIGTERM on the leader drains it, stops the follower, and both exit 0."""
+    import signal
+    import urllib.request
+
+    from jaxserve import LLM, SamplingParams
+    from service_fixtures import make_tiny_model_with_tokenizer
+
+    path = make_tiny_model_with_tokenizer(str(tmp_path / "tiny"))
+    prompt = [1, 70, 80, 90, 100, 110, 7, 8, 9]
+    engine = ["--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "4",
+              "--num-pages", "40", "--no-precompile"]
+    ref = LLM(path, **dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, num_pages=40,
+                           precompile=False)).generate([{"prompt_token_ids": prompt}],
+                                                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                      logprobs=1), use_tqdm=False)[0].outputs[0]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="--xla_backend_optimization_level=0")
+    for k in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        env.pop(k, None)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", path, "--served-model-name", "tiny",
+                               "--grpc-port", "-1", "--http-port", "0", "--mesh", "tp4", *engine,
+                               "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    lines: list[str] = []
+    try:
+        m = _read_until(procs[0], r"http://[\d.]+:(\d+)", lines)
+        assert m, "the leader did not start serving:\n" + "".join(lines)[-4000:]
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                           "logprobs": 1}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{m.group(1)}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            choice = json.loads(r.read())["choices"][0]
+        procs[0].send_signal(signal.SIGTERM)
+        out0 = "".join(lines) + procs[0].communicate(timeout=60)[0]
+        out1 = procs[1].communicate(timeout=60)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == 0, out0[-4000:]
+    assert procs[1].returncode == 0, out1[-4000:]  # stopped by the leader, not lost
+    assert "serving tiny on http" not in out1  # the follower serves nothing
+    assert choice["text"] == ref.text and choice["finish_reason"] == "length"
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"],
+                               [lp[t].logprob for lp, t in zip(ref.logprobs, ref.token_ids)], rtol=1e-5, atol=1e-5)
