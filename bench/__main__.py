@@ -8,6 +8,7 @@ docs/benchmarks/NAME.{json,md,png}.
     kv          sequences and context a fixed KV budget holds per KV dtype
     soak        chaos soak: 256 streams with cancels / deadlines / disconnects; exits non-zero if a check fails
     ab          same-run A/B of this checkout against a baseline worktree, batch 1 and 16 (refactors)
+    collectives bytes tensor parallelism moves per step, from the compiled step's HLO, and their cost per interconnect
 
 Peers are optional (scripts/install_peers.sh); a missing one is skipped with a message. Run on a quiet machine.
 """
@@ -27,6 +28,7 @@ SUBCOMMANDS = {
     "kv": "bench.kv",
     "soak": "bench.soak",
     "ab": "bench.ab",
+    "collectives": "bench.collectives",
 }
 
 

@@ -203,7 +203,7 @@ def test_cli_parses_every_subcommand():
     from bench.__main__ import SUBCOMMANDS, build_parser
 
     ap = build_parser()
-    assert set(SUBCOMMANDS) == {"throughput", "serve", "latency", "spec", "kv", "soak", "ab"}
+    assert set(SUBCOMMANDS) == {"throughput", "serve", "latency", "spec", "kv", "soak", "ab", "collectives"}
     a = ap.parse_args(["serve", "--url", "http://x", "--rates", "1", "inf"])
     assert a.rates == [1.0, math.inf] and a.url == "http://x" and callable(a.run)
     assert ap.parse_args(["throughput", "--hf-requests", "32"]).hf_requests == 32
@@ -211,6 +211,7 @@ def test_cli_parses_every_subcommand():
     assert ap.parse_args(["kv", "--dtypes", "int8"]).dtypes == ["int8"]
     assert json.loads(ap.parse_args(["spec"]).methods[0])["method"] == "ngram"
     assert ap.parse_args(["ab", "--baseline", "/tmp/base"]).batches == [1, 16]
+    assert ap.parse_args(["collectives", "--targets", "cpu"]).targets == ["cpu"]
     with pytest.raises(SystemExit):
         ap.parse_args(["nope"])
 
