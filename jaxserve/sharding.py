@@ -237,6 +237,28 @@ def kv_head_replicas(cfg: MeshConfig, num_heads: int, num_kv_heads: int) -> int:
     return tp // num_kv_heads
 
 
+def vocab_lookup(mesh, table, ids):
+    """`table[ids]` (table f[V, D] split on V over "tp" when tp divides V, ids i32[T]) -> f[T, D] replicated, as a
+    vocabulary-parallel embedding: each shard looks up the ids in its own rows (zeros elsewhere) and one all-reduce
+    of [T, D] sums them. Left to itself, XLA's GPU partitioner all-gathers the whole table for a gather of a few
+    ids (1 GB per step for Llama-3-8B's at T = 1; bench/collectives.py found it); this fixes the plan."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    tp = tensor_parallel_size(mesh)
+    if tp == 1 or table.shape[0] % tp:
+        return table[ids]
+
+    def local(rows, ids):  # rows f[V / tp, D]: this shard's slice of the vocabulary
+        at = ids - jax.lax.axis_index("tp") * rows.shape[0]
+        here = (at >= 0) & (at < rows.shape[0])
+        x = jnp.where(here[:, None], rows[jnp.where(here, at, 0)], jnp.zeros((), rows.dtype))
+        return jax.lax.psum(x, "tp")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("tp", None), P()), out_specs=P(), check_vma=False)(table, ids)
+
+
 def heads_shard_map(mesh, fn, q, k_pages, v_pages, k_scales, v_scales, *replicated):
     """`fn(q, k_pages, v_pages, k_scales, v_scales, *replicated)` once per tensor-parallel shard, each on its own
     query heads and KV heads (q f[T, N, H] and pages [P, page_size, K, H] split on their head axes, scales on K;

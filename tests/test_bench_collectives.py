@@ -210,3 +210,24 @@ def test_the_benchmarks_abstract_scanned_step_has_the_engines_collectives(compil
     # layers and the XLA attention (under shard_map, on local heads) change none of them
     assert _always(compiled["abstract"][1]) == _always(compiled["engine"][1])
     assert _conditional(compiled["abstract"][1]) == _conditional(compiled["engine"][1])
+
+
+def test_sm90_tensor_parallel_step_never_gathers_a_weight():
+    """The engine's real tp3 step on SmolLM2, compiled for virtual H200s (deviceless sm_90, bf16) at every bench
+    bucket: every collective that always runs is an all-reduce of at most the residual stream [T, D] (XLA's GPU
+    partitioner, left to itself, all-gathered the whole embedding table for a decode of one token:
+    `sharding.vocab_lookup` is the fix this guards)."""
+    from sm90_aot import PLUGIN_DIR
+
+    if not os.path.isdir(os.path.join(PLUGIN_DIR, "jax_plugins")):
+        pytest.fail(f"no CUDA PJRT plugin in {PLUGIN_DIR}: run scripts/setup.sh --test")
+    from bench.collectives import run_child
+
+    (rec,) = run_child("cuda", ["smollm2"], ["tp3"], None)
+    D = rec["hidden_size"]
+    assert set(rec["buckets"]) == {"decode1", "decode16", "prefill512"}
+    for name, b in rec["buckets"].items():
+        always = [c for c in b["collectives"] if c["count"]]
+        assert always and {c["kind"] for c in always} == {"all-reduce"}, (name, always)
+        assert max(c["buffer_bytes"] for c in always) <= b["num_tokens"] * D * 2, name  # bf16 [T, D]
+        assert b["summary"]["num_in_layers"] == 2 * rec["num_layers"]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import attention, ops
+from jaxserve import attention, ops, sharding
 from jaxserve.batch import StepInputs
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
@@ -205,7 +205,7 @@ def forward(
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if x is None:
-        x = weights.embed[inputs.token_ids]  # [T, D]
+        x = sharding.vocab_lookup(backends.mesh, weights.embed, inputs.token_ids)  # [T, D]
     meta = attention.token_metadata(inputs)
 
     ids = jnp.asarray(hidden_layer_ids, jnp.int32)  # [n]
