@@ -76,7 +76,7 @@ class AsyncLLM:
         """`distributed_context`: this process leads a multi-host job (`jaxserve.distributed.initialize`'s context,
         process 0): every engine step is published to the other processes, which run `distributed.follow_engine`
         with the same model and config; `shutdown` stops them."""
-        self.engine = make_engine(model, engine_config)  # a DataParallelEngine when mesh.dp > 1
+        self.engine = make_engine(model, engine_config)  # a Data- or PipelineEngine when mesh.dp or pp > 1
         self._leader = None
         if distributed_context is not None:
             from jaxserve import distributed

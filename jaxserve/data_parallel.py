@@ -31,9 +31,14 @@ __all__ = ["DataParallelEngine", "make_engine"]
 
 
 def make_engine(model: str | None, engine_config: EngineConfig | None):
-    """An LLMEngine, or a DataParallelEngine when the config's mesh has dp > 1."""
+    """An LLMEngine; a DataParallelEngine when the config's mesh has dp > 1; a PipelineEngine (pp batches in flight
+    across steps) when it has pp > 1 (`pipeline_engine.uses_virtual_engines`)."""
+    from jaxserve.pipeline_engine import PipelineEngine, uses_virtual_engines
+
     if engine_config is not None and engine_config.mesh is not None and engine_config.mesh.dp > 1:
         return DataParallelEngine(model, engine_config)
+    if uses_virtual_engines(engine_config):
+        return PipelineEngine(model, engine_config)
     return LLMEngine(model, engine_config)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import EngineDeadError, InvalidRequestError
-from jaxserve.factory import build_engine_parts
+from jaxserve.factory import EngineParts, build_engine_parts
 from jaxserve.input_processor import InputProcessor, PromptType
 from jaxserve.output_processor import OutputProcessor, Request
 from jaxserve.outputs import RequestOutput
@@ -55,14 +56,39 @@ class _RunFailed(Exception):
         self.cause = cause
 
 
+@dataclass
+class _Launched:
+    """A step built and dispatched: its (possibly reduced) work, micro-batches and device outputs or error."""
+
+    work: list[ScheduledWork]
+    groups: list[list[ScheduledWork]]
+    steps: list[tuple]  # (Bucket, StepBatch) per micro-batch
+    t0: float  # when it was dispatched
+    device_outputs: list | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Pending:
+    """What `begin_step` hands to `finish_step`."""
+
+    work: list[ScheduledWork]  # as scheduled (the retry path walks it)
+    failed: list[RequestOutput]  # requests already failed while building
+    launched: _Launched | None
+
+
 class LLMEngine:
-    def __init__(self, model: str | None = None, engine_config: EngineConfig | None = None):
-        parts = build_engine_parts(model, engine_config)
+    def __init__(self, model: str | None = None, engine_config: EngineConfig | None = None, *,
+                 parts: EngineParts | None = None, block_manager: BlockManager | None = None):
+        """`parts` (instead of loading `model`) and `block_manager`: an engine sharing another's runner and KV pages,
+        one of a `PipelineEngine`'s virtual engines."""
+        parts = parts if parts is not None else build_engine_parts(model, engine_config)
         self.model_config, self.tokenizer, self.config = parts.model_config, parts.tokenizer, parts.config
         self.runner = parts.runner
+        self.num_microbatches = self.runner.num_microbatches  # a step's split over pipeline stages (1: none)
         cfg = self.config
         self.spec = None if parts.proposer is None else Speculator(cfg, parts.proposer)
-        self.block_manager = BlockManager(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
+        self.block_manager = block_manager or BlockManager(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
         holdback = 0 if self.spec is None else self.spec.proposer.prefix_holdback_pages
         self.scheduler = Scheduler(cfg, self.block_manager, prefix_holdback_pages=holdback)
         self.output = OutputProcessor(self.tokenizer, parts.eos_token_ids, cfg.max_model_len)
@@ -129,20 +155,31 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the RequestOutputs of every request it touched (see the module docstring)."""
+        pending = self.begin_step()
+        return [] if pending is None else self.finish_step(pending)
+
+    def begin_step(self) -> _Pending | None:
+        """The first half of `step`: propose, schedule, build and dispatch the step to the devices without waiting
+        for it (None: nothing to run). Until `finish_step`, the scheduler must not run again: the sequences and
+        pages of the step in flight are not settled."""
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         work = self.scheduler.schedule()
         if not work:
-            return []
+            return None
         if self.spec is not None:
             self.spec.after_schedule(work)
         failed: list[RequestOutput] = []
+        return _Pending(work, failed, self._launch(work, failed))
+
+    def finish_step(self, pending: _Pending) -> list[RequestOutput]:
+        """The second half of `step`: wait for the step's outputs and process them."""
         try:
-            outputs = self._run(work, failed, timed=True)
+            outputs = self._land(pending.launched, pending.failed, timed=True)
             self._failed_runs = 0
         except _RunFailed as e:
-            outputs = self._retry_one_at_a_time(work, e, failed)
-        return failed + outputs
+            outputs = self._retry_one_at_a_time(pending.work, e, pending.failed)
+        return pending.failed + outputs
 
     def _retry_one_at_a_time(self, work: list[ScheduledWork], e: _RunFailed, failed: list) -> list[RequestOutput]:
         logger.error("the model step raised %r; retrying its %d sequences one at a time", e.cause, len(work))
@@ -168,6 +205,11 @@ class LLMEngine:
     def _run(self, work: list[ScheduledWork], failed: list[RequestOutput], timed: bool = False) -> list[RequestOutput]:
         """Build, run and process `work`. Requests whose host-side processing raises are failed into `failed`;
         raises _RunFailed if the device step raised (KV cache intact) and EngineDeadError if it lost the cache."""
+        return self._land(self._launch(work, failed), failed, timed)
+
+    def _launch(self, work: list[ScheduledWork], failed: list[RequestOutput]) -> _Launched | None:
+        """Build `work` into micro-batches and dispatch them (not waited for); rows that cannot be built fail their
+        request into `failed`. None if nothing is left to run."""
         while True:
             try:
                 groups = self._microbatches(work)
@@ -177,15 +219,29 @@ class LLMEngine:
                 failed.append(self._fail(self.requests[e.request_id], e.reason))
                 work = [w for w in work if w.seq.request_id in self.requests]
                 if not work:
-                    return []
-        t0 = time.perf_counter()
+                    return None
+        launched = _Launched(work, groups, steps, time.perf_counter())
         try:
-            results = [self.runner.run(*steps[0])] if len(steps) == 1 else self.runner.run_many(steps)
+            launched.device_outputs = self.runner.dispatch(steps)
+        except Exception as e:  # raised again by _land, where the step's failure is handled
+            launched.error = e
+        return launched
+
+    def _land(self, launched: _Launched | None, failed: list[RequestOutput], timed: bool = False
+              ) -> list[RequestOutput]:
+        """Wait for a launched step and process its outputs (see `_run`)."""
+        if launched is None:
+            return []
+        work, groups, steps = launched.work, launched.groups, launched.steps
+        try:
+            if launched.error is not None:
+                raise launched.error
+            results = self.runner.fetch(launched.device_outputs)
         except Exception as e:
             if not self.runner.kv_is_intact():
                 raise EngineDeadError(e) from e
             raise _RunFailed(e) from e
-        run_seconds = time.perf_counter() - t0
+        run_seconds = time.perf_counter() - launched.t0
         self.num_steps += 1
         for g, (_, prompt_lp) in zip(groups, results):
             if prompt_lp is not None:
@@ -200,9 +256,9 @@ class LLMEngine:
     def _microbatches(self, work: list[ScheduledWork]) -> list[list[ScheduledWork]]:
         """The step's work as the runner's micro-batches: one group, or under pipeline parallelism up to one per
         stage, contiguous and balanced by tokens (`pipeline.split_microbatches`)."""
-        if self.runner.num_microbatches == 1:
+        if self.num_microbatches == 1:
             return [work]
-        sizes = split_microbatches([w.num_tokens for w in work], self.runner.num_microbatches)
+        sizes = split_microbatches([w.num_tokens for w in work], self.num_microbatches)
         starts = itertools.accumulate(sizes, initial=0)
         return [work[a:a + n] for a, n in zip(starts, sizes)]
 

@@ -32,7 +32,7 @@ class LLM:
             raise ValueError(
                 f"pass engine options either in engine_config or as arguments, not both: {sorted(engine_args)}"
             )
-        self.llm_engine = make_engine(model, engine_config)  # a DataParallelEngine when mesh.dp > 1
+        self.llm_engine = make_engine(model, engine_config)  # a Data- or PipelineEngine when mesh.dp or pp > 1
         self._ids = itertools.count()
 
     def get_tokenizer(self):

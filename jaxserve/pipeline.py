@@ -104,13 +104,17 @@ class PipelineRunner:
 
     def run_many(self, steps: list[tuple[Bucket, StepBatch]]) -> list[tuple[SamplerOutput, PromptLogprobs | None]]:
         """Micro-batches through every stage, overlapped by asynchronous dispatch; outputs fetched at once."""
-        last = self.stages[-1]
-        items = [last.pack(b, batch) for b, batch in steps]
+        return self.fetch(self.dispatch(steps))
+
+    def dispatch(self, steps: list[tuple[Bucket, StepBatch]]) -> list[tuple]:
+        """`ModelRunner.dispatch` through every stage: enqueued, not waited for."""
+        items = [self.stages[-1].pack(b, batch) for b, batch in steps]
         if self.publish is not None:
             self.publish(items)
-        outs = jax.device_get([out[:2] for out in self.execute(items)])
-        return [(last.rows.unpack(sampled), None if lp is None else last.prompt_rows.unpack(lp))
-                for sampled, lp in outs]
+        return self.execute(items)
+
+    def fetch(self, outs: list[tuple]) -> list[tuple[SamplerOutput, PromptLogprobs | None]]:
+        return self.stages[-1].fetch(outs)
 
     def execute(self, items: list[tuple[Bucket, bool, np.ndarray]]) -> list[tuple]:
         """Dispatch micro-batch m on stage s right after it finished dispatching on stage s - 1, and micro-batch

@@ -245,10 +245,19 @@ class ModelRunner:
 
     def run_many(self, steps: list[tuple[Bucket, StepBatch]]) -> list[tuple[SamplerOutput, PromptLogprobs | None]]:
         """Several steps (an engine step's micro-batches) dispatched back to back, their outputs fetched at once."""
+        return self.fetch(self.dispatch(steps))
+
+    def dispatch(self, steps: list[tuple[Bucket, StepBatch]]) -> list[tuple]:
+        """The first half of `run_many`: pack, publish (multi-host) and enqueue the steps on the devices without
+        waiting for them; returns their device outputs for `fetch`."""
         items = [self.pack(b, batch) for b, batch in steps]
         if self.publish is not None:
             self.publish(items)
-        outs = jax.device_get([out[:2] for out in self.execute(items)])
+        return self.execute(items)
+
+    def fetch(self, outs: list[tuple]) -> list[tuple[SamplerOutput, PromptLogprobs | None]]:
+        """The second half of `run_many`: wait for `dispatch`'s outputs and unpack them on the host."""
+        outs = jax.device_get([out[:2] for out in outs])
         return [(self.rows.unpack(sampled), None if prompt_lp is None else self.prompt_rows.unpack(prompt_lp))
                 for sampled, prompt_lp in outs]
 

@@ -109,16 +109,17 @@ def test_nan_logits_raise_request_failed_in_async_llm(path, reference):
 def _raise_when(llm: LLM, predicate) -> list[int]:
     """Make the runner raise (before touching the device, like a failed launch) on inputs matching `predicate`."""
     runner = llm.llm_engine.runner
-    original = runner.run
+    original = runner.dispatch
     calls = []
 
-    def run(bucket, batch):
-        calls.append(int(np.count_nonzero(batch.inputs.token_ids)))
-        if predicate(batch.inputs):
-            raise RuntimeError("injected device fault")
-        return original(bucket, batch)
+    def dispatch(steps):
+        for _, batch in steps:
+            calls.append(int(np.count_nonzero(batch.inputs.token_ids)))
+            if predicate(batch.inputs):
+                raise RuntimeError("injected device fault")
+        return original(steps)
 
-    runner.run = run
+    runner.dispatch = dispatch
     return calls
 
 
@@ -192,12 +193,12 @@ def test_engine_death_errors_every_pending_and_future_request(path):
     runner = llm.engine.runner
     entered, release = threading.Event(), threading.Event()
 
-    def run(*args, **kw):
+    def dispatch(*args, **kw):
         entered.set()
         release.wait(10)
         raise RuntimeError("injected: device lost")
 
-    runner.run = run
+    runner.dispatch = dispatch
     runner.kv_is_intact = lambda: False  # the failed call consumed the donated KV cache: unrecoverable
     deaths = []
     llm.add_death_callback(deaths.append)
@@ -225,6 +226,7 @@ def test_engine_death_errors_every_pending_and_future_request(path):
         assert isinstance(queued, EngineDeadError)
         assert later_s < 1.0
         assert not llm.is_running
+        llm._thread.join(5)  # the engine thread errs the requests first, then calls the death callbacks and ends
         assert len(deaths) == 1 and isinstance(deaths[0], EngineDeadError)
     finally:
         llm.shutdown()

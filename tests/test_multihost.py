@@ -45,7 +45,7 @@ def summary(llm):
     return dict(tokens=[o.outputs[0].token_ids for o in outs],
                 logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                           for o in outs],
-                preemptions=llm.llm_engine.scheduler.num_preemptions)
+                preemptions=llm.llm_engine.get_stats()["num_preemptions"])
 
 
 
@@ -58,7 +58,7 @@ for mesh in ("tp8", "pp2_tp4"):  # the same engines, config and model in every p
     r = report[mesh] = dict(kv_processes=[sorted({d.process_index for d in c.k.sharding.device_set}) for c in kv])
     if ctx.is_leader:
         leader = distributed.lead(runner, ctx, channel=mesh)
-        r.update(summary(llm), num_steps=llm.llm_engine.num_steps)
+        r.update(summary(llm), num_steps=llm.llm_engine.get_stats()["num_steps"])
         leader.stop()
     else:
         r.update(num_steps=distributed.follow(runner, channel=mesh))

@@ -1,8 +1,9 @@
 """Pipeline parallelism (and tensor parallelism on the KV-head counts the other tests do not cover) on 8 simulated
 CPU devices: a pipelined engine gives the single-device engine's greedy tokens and logprobs (1e-5) on a mixed batch
 with chunked prefill and preemption, with and without n-gram speculation, on tiny 4-layer models with 1, 3 and 8 KV
-heads; each stage holds only its layers (weights and KV cache) on its own devices; micro-batches overlap; no step
-recompiles after warm-up; impossible meshes fail at start naming the field.
+heads; each stage holds only its layers (weights and KV cache) on its own devices; pp virtual engines keep pp steps
+in flight (and aborts amid them leak nothing); no step recompiles after warm-up; impossible meshes fail at start
+naming the field.
 
 jax fixes its device count when it starts, so everything runs in one subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8; the tests read its JSON report.
@@ -40,13 +41,26 @@ report = {}
 
 
 def summary(llm):
-    outs = llm.generate(prompts, greedy, use_tqdm=False)
     eng = llm.llm_engine
+    in_flight, step = [], eng.step
+
+    def counted_step():  # steps in flight after each step (PipelineEngine: one per busy virtual engine)
+        out = step()
+        in_flight.append(sum(p is not None for p in getattr(eng, "_pending", [])))
+        return out
+
+    eng.step = counted_step
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    del eng.step
+    stats = eng.get_stats()
     return dict(tokens=[o.outputs[0].token_ids for o in outs],
                 logprobs=[[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                           for o in outs],
-                preemptions=eng.scheduler.num_preemptions,
-                accepted=0 if eng.spec is None else int(sum(eng.spec.metrics.num_accepted)))
+                preemptions=stats["num_preemptions"],
+                accepted=int(stats.get("spec_decode_num_accepted_tokens", 0)),
+                engine=type(eng).__name__, max_in_flight=max(in_flight),
+                routed=getattr(eng, "num_routed", None), pages_in_use=eng.block_manager.num_used_pages
+                if hasattr(eng, "block_manager") else None)
 
 
 def placement(runner):
@@ -83,6 +97,24 @@ report["compiles"] = dict(after_warmup=runner.num_compiles, buckets=len(runner.a
 llm.generate(prompts, greedy, use_tqdm=False)
 report["compiles"]["after_run"] = runner.num_compiles
 
+# aborts while virtual engines have steps in flight: pages all come back, the others' outputs are unchanged
+llm = LLM(os.path.join(tmp, "kv1"), mesh="pp2", **KW)
+eng = llm.llm_engine
+for i, p in enumerate(prompts):
+    eng.add_request(str(i), p, greedy)
+finished, steps = {}, 0
+while eng.has_unfinished_requests():
+    for o in eng.step():
+        if o.finished:
+            finished[o.request_id] = o.outputs[0].token_ids
+    steps += 1
+    if steps in (3, 6):  # one request of each virtual engine, mid-flight
+        for rid in (str(steps // 3 - 1), str(steps // 3 + 3)):
+            eng.abort_request(rid)
+    eng.block_manager.check()
+report["aborts"] = dict(finished={k: v for k, v in finished.items()}, pages_in_use=eng.block_manager.num_used_pages,
+                        aborted=sorted(str(i) for i in range(len(prompts)) if str(i) not in finished))
+
 errors = {}
 for variant, mesh in (("kv1", "pp8"), ("kv3", "tp2")):
     try:
@@ -111,6 +143,26 @@ def test_sharded_engine_equals_one_device(report, variant, mesh):
     assert sharded["preemptions"] > 0  # the batch was squeezed: preemption and recompute ran sharded too
     if "+" in mesh:
         assert sharded["accepted"] > 0
+
+
+@pytest.mark.parametrize("variant,mesh", [("kv1", "pp2+ngram"), ("kv1", "pp4"), ("kv8", "pp2_tp2")])
+def test_virtual_engines_keep_pp_steps_in_flight(report, variant, mesh):
+    """pp virtual engines (PipelineEngine): the requests are spread over them and up to pp steps are in flight at
+    once, so the stages overlap across steps; a draft model keeps the within-step micro-batches (LLMEngine)."""
+    r, pp = report[variant][mesh], int(mesh[2])
+    # (pp4 on 20 pages: the squeezed cache leaves at most 3 of its 4 virtual engines with work at once)
+    assert r["engine"] == "PipelineEngine" and r["max_in_flight"] == min(pp, 3)
+    assert len(r["routed"]) == pp and all(n > 0 for n in r["routed"])
+    assert r["pages_in_use"] == 0
+    assert report["kv3"]["pp2+draft"]["engine"] == "LLMEngine"
+
+
+def test_aborts_with_steps_in_flight_leak_nothing(report):
+    a = report["aborts"]
+    assert a["pages_in_use"] == 0 and len(a["aborted"]) == 4
+    single = report["kv1"]["single"]["tokens"]
+    for rid, tokens in a["finished"].items():  # the requests that ran on undisturbed
+        assert tokens == single[int(rid)]
 
 
 def test_each_stage_holds_its_layers_on_its_own_devices(report):
