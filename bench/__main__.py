@@ -9,6 +9,7 @@ docs/benchmarks/NAME.{json,md,png}.
     soak        chaos soak: 256 streams with cancels / deadlines / disconnects; exits non-zero if a check fails
     ab          same-run A/B of this checkout against a baseline worktree, batch 1 and 16 (refactors)
     collectives bytes tensor parallelism moves per step, from the compiled step's HLO, and their cost per interconnect
+    pipeline    pp2 on 2 simulated CPU devices: micro-batches within a step vs virtual engines across steps
 
 Peers are optional (scripts/install_peers.sh); a missing one is skipped with a message. Run on a quiet machine.
 """
@@ -29,6 +30,7 @@ SUBCOMMANDS = {
     "soak": "bench.soak",
     "ab": "bench.ab",
     "collectives": "bench.collectives",
+    "pipeline": "bench.pipeline",
 }
 
 

@@ -631,7 +631,10 @@ def report(record: dict) -> str:
            "The residual stream f[T, D] (bf16 on a GPU) crosses each of the pp-1 stage boundaries once per "
            "micro-batch; M = pp micro-batches per step; link time = bytes / bandwidth + M (pp-1) latency floors. "
            "Step time vs one device: decode is memory bound and each micro-batch re-reads its stage's weights; "
-           "prefill is compute bound and splits evenly.", "",
+           "prefill is compute bound and splits evenly. These rows are the micro-batch schedule (a draft model, or "
+           "pipelines inside data-parallel replicas); `PipelineEngine`'s virtual engines send each batch through "
+           "once (one transfer per boundary, each stage's weights read once per batch) and leave no bubble while "
+           "pp virtual engines have work.", "",
            md_table(["model", "pp", "bucket", "bytes / boundary / step", "bytes / token / boundary", "bubble",
                      "decode step vs 1 device", "prefill step vs 1 device", *(f"{lk} µs" for lk in links)],
                     [[r["model"], r["pp"], r["bucket"], _b(r["bytes_per_boundary_per_step"]),
