@@ -85,7 +85,8 @@ class LLMEngine:
         parts = parts if parts is not None else build_engine_parts(model, engine_config)
         self.model_config, self.tokenizer, self.config = parts.model_config, parts.tokenizer, parts.config
         self.runner = parts.runner
-        self.num_microbatches = self.runner.num_microbatches  # a step's split over pipeline stages (1: none)
+        # a step's split over pipeline stages (1: none); an EAGLE-3 head needs the step's features whole
+        self.num_microbatches = 1 if self.runner.hidden_layer_ids else self.runner.num_microbatches
         cfg = self.config
         self.spec = None if parts.proposer is None else Speculator(cfg, parts.proposer)
         self.block_manager = block_manager or BlockManager(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)

@@ -65,11 +65,6 @@ def check_mesh(cfg: EngineConfig, model_config: ModelConfig | None = None):
     if cfg.mesh.dp > 1:
         raise ValueError(f"mesh {cfg.mesh.name or cfg.mesh.shape}: one engine runs one data-parallel replica "
                          f"(mesh.dp={cfg.mesh.dp}); give each its own `MeshConfig.replica(i)`")
-    spec = cfg.speculative_config
-    if cfg.mesh.pp > 1 and spec is not None and spec.method == "eagle3":
-        raise NotImplementedError(f"speculative_config.method='eagle3' on a pipeline-parallel target (mesh "
-                                  f"{cfg.mesh.name or cfg.mesh.shape}) is not available yet: the head's features "
-                                  "come from layers on different stages; ngram and draft_model are")
     if model_config is not None and cfg.mesh.pp > 1:
         stage_layer_bounds(model_config.num_layers, cfg.mesh.pp)  # raises, naming mesh.pp, if there are too few
     if cfg.mesh.tp == 1 or model_config is None:
@@ -113,7 +108,7 @@ def build_engine_parts(model: str | None, engine_config: EngineConfig | None = N
     del ckpt
     hidden_ids = target_hidden_layer_ids(cfg.speculative_config, model_config)
     if cfg.mesh is not None and cfg.mesh.pp > 1:
-        runner = PipelineRunner(model_config, cfg, weights, cfg.dtype, cfg.scan_layers)
+        runner = PipelineRunner(model_config, cfg, weights, cfg.dtype, cfg.scan_layers, hidden_layer_ids=hidden_ids)
     else:
         runner = ModelRunner(model_config, cfg, weights, cfg.dtype, hidden_layer_ids=hidden_ids, backends=backends,
                              mesh=mesh)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import ops, sharding
@@ -63,24 +64,37 @@ class PipelineRunner:
     """`ModelRunner`'s interface over pp stages (see the module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, host_weights: Weights, dtype: str,
-                 scan_layers: bool):
+                 scan_layers: bool, hidden_layer_ids: tuple[int, ...] = ()):
+        """`hidden_layer_ids`: as for `ModelRunner` (EAGLE-3's features): each stage captures the ones among its
+        layers, and `last_hidden` joins them on the last stage's devices, where the head runs."""
         mesh_cfg = engine_cfg.mesh
         self.model_cfg = model_cfg
         self.engine_cfg = engine_cfg
         self.bounds = stage_layer_bounds(model_cfg.num_layers, mesh_cfg.pp)
+        if list(hidden_layer_ids) != sorted(hidden_layer_ids):
+            raise ValueError(f"hidden_layer_ids must be ascending across pipeline stages (got {hidden_layer_ids})")
         self.stages: list[ModelRunner] = []
         for s, (start, end) in enumerate(self.bounds):
             first, last = s == 0, s == len(self.bounds) - 1
             stage_cfg = engine_cfg.replace(mesh=mesh_cfg.stage(s))
             mesh = sharding.make_mesh(stage_cfg.mesh)
             backends = ops.resolve_backends(stage_cfg, dtype, scan_layers, mesh)
+            # the streams entering this stage's layers (local ids), and the final output on the last stage
+            local_ids = tuple(i - start for i in hidden_layer_ids if start <= i < end or (last and i == end))
             self.stages.append(ModelRunner(
                 dataclasses.replace(model_cfg, num_layers=end - start), stage_cfg,
-                stage_weights(host_weights, start, end, first, last), dtype, backends=backends, mesh=mesh,
-                first_stage=first,
+                stage_weights(host_weights, start, end, first, last), dtype, hidden_layer_ids=local_ids,
+                backends=backends, mesh=mesh, first_stage=first,
             ))
-        self.backends = self.stages[-1].backends
-        self.hidden_layer_ids = ()
+        last = self.stages[-1]
+        self.backends = last.backends
+        self._replicated = last._replicated  # where the outputs (and an EAGLE-3 head) live
+        self.hidden_layer_ids = tuple(hidden_layer_ids)
+        # the embedding an EAGLE-3 head shares, beside it on the last stage (the first stage's copy is elsewhere)
+        self.head_embed = None
+        if hidden_layer_ids:
+            self.head_embed = (last.weights.embed if last.weights.embed is not None  # tied: the last stage has it
+                               else jax.device_put(host_weights.embed, last._replicated))
         self.last_hidden = None
         self.publish = None
         self.num_microbatches = mesh_cfg.pp
@@ -119,15 +133,20 @@ class PipelineRunner:
     def execute(self, items: list[tuple[Bucket, bool, np.ndarray]]) -> list[tuple]:
         """Dispatch micro-batch m on stage s right after it finished dispatching on stage s - 1, and micro-batch
         m + 1 on stage 0 right after: nothing here waits for a device."""
-        outs = []
+        outs, hidden = [], None
         for bucket, with_prompt, packed in items:
-            x = None
+            x, hidden = None, []
             for stage in self.stages:
                 if x is not None:
                     x = jax.device_put(x, stage._replicated)  # the stage boundary: f[T, D] to the next devices
                 out = stage.call(bucket, with_prompt, jax.device_put(packed, stage._replicated), x)
                 x = out[0]
+                if stage.hidden_layer_ids:  # this stage's features f[T, n_s * D], to the last stage's devices
+                    hidden.append(jax.device_put(out[-1], self._replicated))
             outs.append(out)
+        # EAGLE-3's features of a single step (as ModelRunner.execute): every stage's, in layer order
+        self.last_hidden = (jnp.concatenate(hidden, axis=-1) if len(hidden) > 1 else hidden[0]) if (
+            self.hidden_layer_ids and len(items) == 1) else None
         return outs
 
     def kv_is_intact(self) -> bool:

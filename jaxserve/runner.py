@@ -261,6 +261,11 @@ class ModelRunner:
         return [(self.rows.unpack(sampled), None if prompt_lp is None else self.prompt_rows.unpack(prompt_lp))
                 for sampled, prompt_lp in outs]
 
+    @property
+    def head_embed(self) -> jax.Array:
+        """The embedding an EAGLE-3 head shares with this target (on the devices the head runs on)."""
+        return self.weights.embed
+
     def pack(self, bucket: Bucket, batch: StepBatch) -> tuple[Bucket, bool, np.ndarray]:
         """A step as what `execute` takes (and multi-host followers receive): (bucket, prompt logprobs?, packed)."""
         with_prompt = batch.prompt_targets is not None

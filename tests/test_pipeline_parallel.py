@@ -89,6 +89,24 @@ for variant, meshes in CASES.items():
         r[name]["placement"] = placement(llm.llm_engine.runner)
         r[name]["kv_heads"] = llm.llm_engine.model_config.num_kv_heads
 
+# EAGLE-3 on a pipeline: its features come from layers on both stages (aux ids 1 | 3, 5 of 5 layers on pp2) and the
+# head runs on the last stage's devices; greedy output equals one device's, drafts get accepted
+import torch, transformers
+from test_eagle3 import LAYER_CFG, make_head
+torch.manual_seed(0)
+eagle_target = os.path.join(tmp, "eagle_target")
+transformers.LlamaForCausalLM(transformers.LlamaConfig(**(LAYER_CFG | dict(
+    num_hidden_layers=5, initializer_range=0.1, bos_token_id=1, eos_token_id=2)))).float().eval().save_pretrained(
+    eagle_target)
+plain = summary(LLM(eagle_target, **KW))
+counts = np.bincount([t for r in plain["tokens"] for t in r], minlength=300)
+head = os.path.join(tmp, "head")
+make_head(head, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)))  # always drafts the commonest token
+eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
+llm = LLM(eagle_target, mesh="pp2", speculative_config=eagle, **KW)
+report["eagle3"] = {"single": plain, "pp2+eagle3": summary(llm)}
+report["eagle3"]["pp2+eagle3"]["stage_hidden_ids"] = [list(s.hidden_layer_ids) for s in llm.llm_engine.runner.stages]
+
 # warm-up compiles every bucket of every stage; running never compiles again
 llm = LLM(os.path.join(tmp, "kv1"), mesh="pp2", **(KW | {"precompile": True}))
 runner = llm.llm_engine.runner
@@ -143,6 +161,15 @@ def test_sharded_engine_equals_one_device(report, variant, mesh):
     assert sharded["preemptions"] > 0  # the batch was squeezed: preemption and recompute ran sharded too
     if "+" in mesh:
         assert sharded["accepted"] > 0
+
+
+def test_eagle3_on_a_pipeline_equals_one_device(report):
+    single, sharded = report["eagle3"]["single"], report["eagle3"]["pp2+eagle3"]
+    assert sharded["stage_hidden_ids"] == [[1], [0, 2]]  # layer 1 on stage 0; 3 and the final output on stage 1
+    assert sharded["tokens"] == single["tokens"]
+    for a, b in zip(sharded["logprobs"], single["logprobs"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    assert sharded["accepted"] > 0 and sharded["engine"] == "LLMEngine"
 
 
 @pytest.mark.parametrize("variant,mesh", [("kv1", "pp2+ngram"), ("kv1", "pp4"), ("kv8", "pp2_tp2")])

@@ -147,7 +147,7 @@ class Eagle3Proposer(Proposer):
         # (vocabulary-sharded) embedding it reads there; its attention is not split by heads.
         backends = dataclasses.replace(runner.backends, mesh=None)
         fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size, backends)
-        self.runner = ProposerRunner(fn, host, kv, shared=runner.weights.embed, sharding=runner._replicated)
+        self.runner = ProposerRunner(fn, host, kv, shared=runner.head_embed, sharding=runner._replicated)
         self._layouts: dict[Bucket, Layout] = {}
         logger.info(
             "EAGLE-3 head %s: draft vocab %d, target layers %s (input convention)",
