@@ -1,8 +1,9 @@
-"""bench/collectives.py: the HLO parser counts and sizes collectives (a handmade module with a loop, a conditional,
-async pairs, tuples and every replica-group syntax), the ring formulas, the pipeline arithmetic, and on one real
-compiled tp2 step of a tiny model: two all-reduces of the hidden state per layer plus one for the embedding, and the
-benchmark's form of the step (abstract placement, scanned layers, XLA attention) has exactly the collectives of the
-real CPU engine's (real weights, unrolled layers, its default attention).
+"""bench/collectives.py and bench/hlo.py: the HLO parser counts and sizes collectives (a handmade module with a loop,
+a conditional, async pairs, tuples and every replica-group syntax), the ring formulas, the pipeline arithmetic, and
+on one real compiled tp2 step of a tiny model: two all-reduces of the hidden state per layer plus one for the
+embedding, and the benchmark's form of the step (abstract placement, scanned layers, XLA attention) has exactly the
+collectives of the real CPU engine's (real weights, unrolled layers, its default attention). And the sm_90 compile
+of a real tp step gathers no weight.
 
 jax fixes its device count when it starts, so the compiled steps come from one subprocess with 2 simulated CPU
 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2) that prints a JSON report.
@@ -15,7 +16,8 @@ import sys
 
 import pytest
 
-from bench.collectives import Collective, bytes_sent_per_device, group_size, parse_collectives, pipeline_rows, summarize
+from bench.collectives import pipeline_rows
+from bench.hlo import Collective, bytes_sent_per_device, group_size, parse_collectives, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,7 +146,8 @@ import dataclasses, json, os, sys
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 import jax
 from tiny_models import make_tiny_model
-from bench.collectives import build_runner, parse_collectives
+from bench.collectives import build_runner
+from bench.hlo import parse_collectives
 from jaxserve import LLM
 from jaxserve.batch import choose_bucket
 from jaxserve.loader import read_model_config

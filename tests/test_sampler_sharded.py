@@ -16,7 +16,7 @@ _SCRIPT = r"""
 import functools, json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from bench.collectives import parse_collectives, shape_arrays
+from bench.hlo import parse_collectives, shape_arrays
 from jaxserve import sharding
 from jaxserve.sampler import SamplingInputs, prompt_logprobs, sample
 
