@@ -4,7 +4,8 @@ JAX on several hosts is multi-controller: every process runs the same executable
 inputs, each driving its own devices, and the collectives inside a step (tensor parallelism's all-reduces) meet
 across processes. jaxserve keeps one scheduler: process 0 leads (scheduler, front end, output processing) and the
 others follow. The runner is the only module that runs device work (`runner.py`), and every run goes through
-`run_many`, which calls `runner.publish(items)` with the step's packed inputs right before `runner.execute(items)`.
+`dispatch` (`run_many` = `dispatch` + `fetch`), which calls `runner.publish(items)` with the step's packed inputs
+right before `runner.execute(items)`.
 `lead` sets `publish` to a send of the items to every follower; `follow` is the follower's loop: receive the items,
 `runner.execute(items)`, never fetch, until the leader's stop message. Compilation needs nothing: an executable is
 compiled on first use (`ModelRunner.executable`) in every process from the same bucket, or by the same `warmup`
@@ -28,7 +29,7 @@ cross-process `device_put`, which the CPU backend runs only with `jax_cross_host
 (`initialize` sets it on CPU, or from `JAXSERVE_TRANSFER_ADDRESS`; without it jax raises "does not support
 cross-host device transfers"), and outputs that live only on other processes' devices are copied to process 0's in
 every process, the same copy in the same order (`_gather_outputs`). Speculation with a device-side proposer (draft
-model, EAGLE-3) runs its own steps outside `run_many` and is refused (`check_supported`); n-gram runs.
+model, EAGLE-3) runs its own steps outside `dispatch` and is refused (`check_supported`); n-gram runs.
 """
 
 from __future__ import annotations
