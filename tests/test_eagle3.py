@@ -61,6 +61,24 @@ def _vocab(rng, vd, first=None):
     return ids - np.arange(vd), t2d
 
 
+def make_eagle_pair(tmp: str, summarize_plain):
+    """A 5-layer random Llama target (the head's aux layers 1, 3 and 5 span it) and a head that always drafts the
+    target's commonest greedy token, so drafts get accepted: (target dir, head dir, summarize_plain(target dir)),
+    where `summarize_plain` runs the target without speculation and returns a dict with "tokens"."""
+    import transformers
+
+    torch.manual_seed(0)
+    target = os.path.join(tmp, "eagle_target")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**(LAYER_CFG | dict(
+        num_hidden_layers=5, initializer_range=0.1, bos_token_id=1, eos_token_id=2)))).float().eval().save_pretrained(
+        target)
+    plain = summarize_plain(target)
+    counts = np.bincount([t for r in plain["tokens"] for t in r], minlength=V)
+    head = os.path.join(tmp, "head")
+    make_head(head, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)))
+    return target, head, plain
+
+
 def make_head(path, fmt="speculators", seed=0, vd=40, zero_lm_head=False, first=None, **flags):
     """Write a random EAGLE-3 head (draft vocab `vd` < V, sorted random ids -> non-trivial d2t) in `fmt`."""
     rng = np.random.default_rng(seed)

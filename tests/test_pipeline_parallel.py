@@ -91,17 +91,8 @@ for variant, meshes in CASES.items():
 
 # EAGLE-3 on a pipeline: its features come from layers on both stages (aux ids 1 | 3, 5 of 5 layers on pp2) and the
 # head runs on the last stage's devices; greedy output equals one device's, drafts get accepted
-import torch, transformers
-from test_eagle3 import LAYER_CFG, make_head
-torch.manual_seed(0)
-eagle_target = os.path.join(tmp, "eagle_target")
-transformers.LlamaForCausalLM(transformers.LlamaConfig(**(LAYER_CFG | dict(
-    num_hidden_layers=5, initializer_range=0.1, bos_token_id=1, eos_token_id=2)))).float().eval().save_pretrained(
-    eagle_target)
-plain = summary(LLM(eagle_target, **KW))
-counts = np.bincount([t for r in plain["tokens"] for t in r], minlength=300)
-head = os.path.join(tmp, "head")
-make_head(head, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)))  # always drafts the commonest token
+from test_eagle3 import make_eagle_pair
+eagle_target, head, plain = make_eagle_pair(tmp, lambda path: summary(LLM(path, **KW)))
 eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
 llm = LLM(eagle_target, mesh="pp2", speculative_config=eagle, **KW)
 report["eagle3"] = {"single": plain, "pp2+eagle3": summary(llm)}

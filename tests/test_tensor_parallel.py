@@ -55,17 +55,8 @@ for variant in ("llama_gqa", "llama_mqa", "llama_tied", "qwen2_bias"):
 
 # EAGLE-3 and a draft model on a tensor-parallel target (the head replicated beside the target's features; the
 # draft model whole on the target's first device): greedy output equals one device's, drafts get accepted
-import torch, transformers
-from test_eagle3 import LAYER_CFG, make_head
-torch.manual_seed(0)
-eagle_target = os.path.join(tmp, "eagle_target")
-transformers.LlamaForCausalLM(transformers.LlamaConfig(**(LAYER_CFG | dict(
-    num_hidden_layers=5, initializer_range=0.1, bos_token_id=1, eos_token_id=2)))).float().eval().save_pretrained(
-    eagle_target)
-plain = summary(LLM(eagle_target, **KW))
-counts = np.bincount([t for r in plain["tokens"] for t in r], minlength=300)
-head = os.path.join(tmp, "head")
-make_head(head, "hf", seed=7, zero_lm_head=True, first=int(np.argmax(counts)))  # always drafts the commonest token
+from test_eagle3 import make_eagle_pair
+eagle_target, head, plain = make_eagle_pair(tmp, lambda path: summary(LLM(path, **KW)))
 report["eagle3"] = {"single": plain}
 eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
 llm = LLM(eagle_target, mesh="tp2", speculative_config=eagle, **KW)
