@@ -133,7 +133,7 @@ class PipelineRunner:
     def execute(self, items: list[tuple[Bucket, bool, np.ndarray]]) -> list[tuple]:
         """Dispatch micro-batch m on stage s right after it finished dispatching on stage s - 1, and micro-batch
         m + 1 on stage 0 right after: nothing here waits for a device."""
-        outs, hidden = [], None
+        outs = []
         for bucket, with_prompt, packed in items:
             x, hidden = None, []
             for stage in self.stages:
@@ -145,8 +145,9 @@ class PipelineRunner:
                     hidden.append(jax.device_put(out[-1], self._replicated))
             outs.append(out)
         # EAGLE-3's features of a single step (as ModelRunner.execute): every stage's, in layer order
-        self.last_hidden = (jnp.concatenate(hidden, axis=-1) if len(hidden) > 1 else hidden[0]) if (
-            self.hidden_layer_ids and len(items) == 1) else None
+        self.last_hidden = None
+        if self.hidden_layer_ids and len(items) == 1:
+            self.last_hidden = hidden[0] if len(hidden) == 1 else jnp.concatenate(hidden, axis=-1)
         return outs
 
     def kv_is_intact(self) -> bool:

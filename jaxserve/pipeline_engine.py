@@ -93,13 +93,10 @@ class PipelineEngine(DataParallelEngine):
         return outputs
 
     def get_stats(self) -> dict:
-        """LLMEngine.get_stats() over the virtual engines (one shared KV cache and prefix cache); no per-replica
-        breakdown: the virtual engines are not replicas."""
+        """LLMEngine.get_stats() over the virtual engines (their one block manager gives each the same KV usage
+        and prefix hit rate); no per-replica breakdown: the virtual engines are not replicas."""
         stats = super().get_stats()
         stats.pop("replicas")
-        bm = self.block_manager
-        stats["kv_cache_usage"] = bm.num_used_pages / max(1, bm.num_pages - 1)
-        stats["prefix_cache_hit_rate"] = bm.prefix_hit_rate
         return stats
 
     def shutdown(self) -> None:
