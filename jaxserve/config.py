@@ -66,6 +66,8 @@ class ModelConfig:
         return self.num_layers * per_layer + V * D * (1 if self.tie_word_embeddings else 2) + D
 
 
+QUANTIZATION_SCHEMES = ("none", "bf16", "int8", "int4", "int4-g64", "gguf")  # = jaxserve.quant.SCHEMES
+
 # kv_cache_dtype names (vLLM's, plus int8) -> the array dtype the cache stores; "auto" follows the model dtype.
 KV_CACHE_DTYPES = {
     "auto": None,
@@ -172,6 +174,10 @@ class EngineConfig:
     # full-length sequences, capped at 1 GiB
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "float32" | "bfloat16" | "float16" | "int8" | "fp8" (e4m3)
+    # How linear weights are stored (`jaxserve.quant`): "none" (the dtype) | "bf16" | "int8" (per output channel) |
+    # "int4" / "int4-g64" (groups of 32 / 64) | "gguf" (a GGUF's own blocks, repacked exactly); None = "gguf" for a
+    # quantized GGUF (served as shipped), else "none".
+    quantization: str | None = None
     max_logprobs: int = 20  # largest `logprobs` a request may ask for
     token_buckets: tuple[int, ...] = field(default=())  # padded token counts; () = powers of two up to the budget
     # Padded pages-per-sequence counts for block tables; () = powers of two from 8 pages (the XLA attention's cost
@@ -212,6 +218,9 @@ class EngineConfig:
             object.__setattr__(self, name, _backend_choice(name, getattr(self, name)))
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16 (got {self.dtype!r})")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)} (got "
+                             f"{self.quantization!r})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})"

@@ -10,12 +10,13 @@ pages, sized so the target's cache and any proposer's (same page ids) fit the me
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from jaxserve import ops, sharding
+from jaxserve import ops, quant, sharding
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import kv_cache_bytes
 from jaxserve.loader import load_checkpoint
@@ -27,6 +28,7 @@ from jaxserve.spec_decode import Proposer, make_proposer, proposer_cache_configs
 from jaxserve.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,13 +99,16 @@ def resolve_config(
 
 
 def build_engine_parts(model: str | None, engine_config: EngineConfig | None = None) -> EngineParts:
-    ckpt = load_checkpoint(model)
     engine_config = engine_config or EngineConfig()
+    ckpt = load_checkpoint(model, engine_config.quantization)
+    engine_config = engine_config.replace(quantization=ckpt.quantization)
     mesh, r = check_mesh(engine_config, ckpt.config)  # before the weights are read: a bad mesh fails fast
     model_config = dataclasses.replace(ckpt.config, num_kv_heads=ckpt.config.num_kv_heads * r)  # as it will run
     tokenizer = ckpt.tokenizer
     cfg, backends = resolve_config(engine_config, model_config, mesh)
-    weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(cfg.dtype), ckpt.path)
+    weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(cfg.dtype), ckpt.path, ckpt.quantization)
+    logger.info("weights: quantization=%s (%s): %s, %.1f MB of linear maps", ckpt.quantization, ckpt.note,
+                quant.describe(weights), quant.linear_bytes(weights) / 1e6)
     _, weights = repeat_kv_heads(ckpt.config, weights, r)
     del ckpt
     hidden_ids = target_hidden_layer_ids(cfg.speculative_config, model_config)

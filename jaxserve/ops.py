@@ -31,6 +31,7 @@ from cpu_kernels import matmul as _cpu_matmul
 from cpu_kernels import ragged_paged_attention as _cpu_rpa
 from jaxserve import sharding
 from jaxserve.config import BACKEND_ENV, EngineConfig
+from jaxserve.quant import QuantizedLinear
 from pallas_kernels import ragged_paged_attention as _rpa
 from pallas_kernels import spec_verify as _spec_verify
 from pallas_kernels.ragged_paged_attention import reference as _rpa_reference
@@ -200,16 +201,22 @@ PackedLinear = _cpu_matmul.PackedLinear  # a weight [K, N] in the native matmul'
 
 
 def pack_linear(w) -> PackedLinear:
-    """w: f32[K, N] (numpy or jax) -> PackedLinear, for `Backends.matmul == 'native'`. Host-side, once."""
+    """A linear weight [K, N] -> PackedLinear, for `Backends.matmul == 'native'`. Host-side, once. `w`: a float32
+    or bfloat16 array, or a `QuantizedLinear` (int8 or 4-bit, group-wise scales), each packed in its own format."""
+    if isinstance(w, QuantizedLinear):
+        return _cpu_matmul.pack_quantized(w.values(), w.scales, w.zeros, bits=w.bits)
     return _cpu_matmul.pack(w)
 
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """x: f[T, in] @ w [in, out] -> f[T, out]; `w` is an array (an XLA dot) or a `PackedLinear` (the native CPU
+    """x: f[T, in] @ w [in, out] -> f[T, out]. `w` is an array (an XLA dot; a bfloat16 weight is widened to x's
+    dtype), a `QuantizedLinear` (the XLA reference: dequantize, then the dot) or a `PackedLinear` (the native CPU
     matmul, which itself falls back to a dot, with one warning, if its library cannot be loaded)."""
     if isinstance(w, PackedLinear):
         return _cpu_matmul.matmul(x, w)
-    return x @ w
+    if isinstance(w, QuantizedLinear):
+        return x @ w.dequantize(x.dtype)
+    return x @ w.astype(x.dtype)
 
 
 # --- KV quantization ------------------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ from jaxserve.tokenizer import Tokenizer, load_hf_tokenizer
 class Checkpoint:
     path: str
     config: ModelConfig
-    tensors: dict[str, np.ndarray]  # HF names, HF layouts ([out, in] linears)
+    tensors: dict[str, np.ndarray]  # HF names, HF layouts ([out, in] linears); quant.BlockQuantized under "gguf"
     tokenizer: Tokenizer | None
+    quantization: str = "none"  # the scheme (`jaxserve.quant.SCHEMES`) the weights are to be stored in
+    note: str = ""  # why that scheme, for the start log
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -48,16 +50,51 @@ def read_model_config(model: str | None) -> ModelConfig:
     return read_gguf_config(path)
 
 
-def load_checkpoint(model: str | None) -> Checkpoint:
+def resolve_quantization(path: str, choice: str | None) -> tuple[str, str]:
+    """The weight scheme for the checkpoint at `path` and a note saying why. `choice` None = serve a quantized GGUF
+    as shipped ("gguf", when every quantized matrix is in a block format jaxserve repacks), else "none"."""
+    from jaxserve.quant import GGUF_BLOCKS, SCHEMES
+
+    if choice is not None and choice not in SCHEMES:
+        raise ValueError(f"quantization must be one of {', '.join(SCHEMES)} (got {choice!r})")
+    types = {}
+    if not os.path.isdir(path):
+        from jaxserve.loader.gguf import gguf_matrix_types
+
+        types = gguf_matrix_types(path)
+    quantized = {t: n for t, n in types.items() if t not in ("F32", "F16", "BF16")}
+    listing = ", ".join(f"{t} x {n}" for t, n in sorted(quantized.items()))
+    unsupported = sorted(set(quantized) - set(GGUF_BLOCKS))
+    if choice == "gguf":
+        if not quantized:
+            raise ValueError(f"quantization=gguf keeps a GGUF file's block formats, but {path} has none "
+                             "(an HF directory or a float GGUF); use bf16, int8 or int4 to quantize it at load")
+        if unsupported:
+            raise ValueError(f"quantization=gguf: {path} uses block types jaxserve cannot keep as they are "
+                             f"({', '.join(unsupported)}; kept: {', '.join(GGUF_BLOCKS)}); use none, bf16, int8 "
+                             "or int4")
+        return "gguf", f"as chosen; the file holds {listing}"
+    if choice is not None:
+        return choice, "as chosen" + (f" (the file's {listing} blocks are dequantized first)" if quantized else "")
+    if quantized and not unsupported:
+        return "gguf", f"default for a quantized GGUF: served as shipped ({listing})"
+    if quantized:
+        return "none", f"default; the file's {', '.join(unsupported)} blocks cannot be kept, so all are dequantized"
+    return "none", "default for a float checkpoint"
+
+
+def load_checkpoint(model: str | None, quantization: str | None = "none") -> Checkpoint:
+    """Read a checkpoint for weights stored as `quantization` (None: `resolve_quantization`'s default)."""
     path = resolve_model_path(model)
+    scheme, note = resolve_quantization(path, quantization)
     if os.path.isdir(path):
         from jaxserve.loader.hf import read_hf_dir
 
         config, tensors = read_hf_dir(path)
         tokenizer = load_hf_tokenizer(path, config.eos_token_ids, config.bos_token_id)
-        return Checkpoint(path, config, tensors, tokenizer)
+        return Checkpoint(path, config, tensors, tokenizer, scheme, note)
 
     from jaxserve.loader.gguf import read_gguf
 
-    config, tensors, gt = read_gguf(path)
-    return Checkpoint(path, config, tensors, Tokenizer.from_gguf(gt))
+    config, tensors, gt = read_gguf(path, keep_blocks=scheme == "gguf")
+    return Checkpoint(path, config, tensors, Tokenizer.from_gguf(gt), scheme, note)

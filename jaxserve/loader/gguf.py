@@ -72,14 +72,17 @@ def default_model_path() -> str:
     return path
 
 
-def read_gguf(path: str, *, load_tokenizer: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFTokenizer]:
+def read_gguf(path: str, *, load_tokenizer: bool = True, keep_blocks: bool = False
+              ) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFTokenizer]:
     """Parse `path` into (config, float32 weights under HF names, tokenizer).
 
     With `load_tokenizer=False` the tokenizer is not built (returned as None), so a GGUF whose
-    tokenizer type is unsupported can still be used with a separate `tokenizer.json`.
+    tokenizer type is unsupported can still be used with a separate `tokenizer.json`. With `keep_blocks=True`,
+    matrices in a block format `jaxserve.quant` repacks (`GGUF_BLOCKS`) come back as `quant.BlockQuantized` (their
+    exact values, scales and zeros) instead of float32.
     """
     path, meta, tensors, config = _read_header(path)
-    params = _load_tensors(path, config, tensors)
+    params = _load_tensors(path, config, tensors, keep_blocks)
     tokenizer = _build_tokenizer(path, meta, config) if load_tokenizer else None
     return config, params, tokenizer
 
@@ -87,6 +90,15 @@ def read_gguf(path: str, *, load_tokenizer: bool = True) -> tuple[ModelConfig, d
 def read_gguf_config(path: str) -> ModelConfig:
     """The model config from a GGUF's metadata; no tensor data is read."""
     return _read_header(path)[3]
+
+
+def gguf_matrix_types(path: str) -> dict[str, int]:
+    """Block type name -> how many of the file's 2-D tensors (the linear maps and the embedding) use it."""
+    counts: dict[str, int] = {}
+    for t in _read_header(path)[2].values():
+        if len(t.shape) == 2:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return counts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,8 +237,10 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _load_tensors(path: str, config: ModelConfig, tensors: dict) -> dict[str, np.ndarray]:
+def _load_tensors(path: str, config: ModelConfig, tensors: dict, keep_blocks: bool) -> dict:
     import gguf
+
+    from jaxserve import quant
 
     expected = hf_tensor_shapes(config)
     by_hf = {}
@@ -249,6 +263,13 @@ def _load_tensors(path: str, config: ModelConfig, tensors: dict) -> dict[str, np
     for hf, t in by_hf.items():
         if t.tensor_type not in supported:
             raise ValueError(f"{path}: tensor {t.name!r} uses unsupported quantization type {t.tensor_type.name}")
+        if keep_blocks and t.tensor_type.name in quant.GGUF_BLOCKS and len(expected[hf]) == 2:
+            w = quant.decode_gguf_blocks(t.data, t.tensor_type.name, expected[hf])
+            if config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+                n_head = config.num_heads if ".q_proj." in hf else config.num_kv_heads
+                w = w.map_rows(lambda a: _unpermute(a, n_head))
+            out[hf] = w
+            continue
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.model.llama import LayerWeights, Weights
 
@@ -55,16 +56,26 @@ def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], sou
     return t
 
 
-def to_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, source: str = "checkpoint") -> Weights:
-    """Build host (numpy) `Weights` in `dtype`. Linear weights are transposed from HF's [out, in] to [in, out]."""
+def to_weights(cfg: ModelConfig, tensors: dict, dtype, source: str = "checkpoint", quantization: str = "none"
+               ) -> Weights:
+    """Build host (numpy) `Weights` in `dtype`, linear maps stored as `quantization` (`jaxserve.quant`). Linear
+    weights are transposed from HF's [out, in] to [in, out]. `tensors` holds numpy arrays, and under "gguf" the
+    GGUF loader's `quant.BlockQuantized` for quantized tensors (kept exactly; float ones follow `dtype`)."""
     shapes = layer_tensor_shapes(cfg)
 
-    def stacked(key: str, transpose: bool) -> np.ndarray:
+    def stacked(key: str, transpose: bool):
         per_layer = [
             _take(tensors, f"model.layers.{i}.{key}", shapes[key], source) for i in range(cfg.num_layers)
         ]
-        arr = np.stack([t.T if transpose else t for t in per_layer])
-        return arr.astype(dtype)
+        blocks = [isinstance(t, quant.BlockQuantized) for t in per_layer]
+        if all(blocks):
+            return quant.stack_linears(per_layer)
+        if any(blocks):  # e.g. a file with some layers' tensors left in F16: dequantize the few to float
+            per_layer = [t.dequantize() if b else t for t, b in zip(per_layer, blocks)]
+        arr = np.stack([t.T if transpose else t for t in per_layer]).astype(dtype)
+        if transpose and quantization not in ("none", "gguf"):
+            return quant.quantize_linear(arr, quantization)
+        return arr
 
     layers = LayerWeights(
         attn_norm=stacked("input_layernorm.weight", False),
@@ -86,14 +97,26 @@ def to_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype, source: 
         layers.k_norm = stacked("self_attn.k_norm.weight", False)
 
     D, V = cfg.hidden_size, cfg.vocab_size
-    embed = _take(tensors, "model.embed_tokens.weight", (V, D), source).astype(dtype)
+    embed_t = _take(tensors, "model.embed_tokens.weight", (V, D), source)
+    embed = _float(embed_t).astype(dtype)  # token lookup reads a few rows per step: kept in the model dtype
+    # tied checkpoints may omit lm_head.weight (HF ignores it when tied); the logits projection is then embed.T,
+    # stored as its own quantized copy when the scheme quantizes (None: read from `embed`)
+    head_t = embed_t if cfg.tie_word_embeddings else _take(tensors, "lm_head.weight", (V, D), source)
     lm_head = None
-    if not cfg.tie_word_embeddings:  # tied checkpoints may omit lm_head.weight; HF ignores it when tied
-        lm_head = _take(tensors, "lm_head.weight", (V, D), source).T.astype(dtype)
+    if isinstance(head_t, quant.BlockQuantized):
+        lm_head = head_t.linear()
+    elif quantization not in ("none", "gguf"):
+        lm_head = quant.quantize_linear(_float(head_t).T.astype(dtype), quantization)
+    elif not cfg.tie_word_embeddings:
+        lm_head = head_t.T.astype(dtype)
     return Weights(
         embed=embed,
         layers=layers,
         final_norm=_take(tensors, "model.norm.weight", (D,), source).astype(dtype),
         lm_head=lm_head,
     )
+
+
+def _float(t) -> np.ndarray:
+    return t.dequantize() if isinstance(t, quant.BlockQuantized) else t
 

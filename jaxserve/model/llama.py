@@ -24,12 +24,14 @@ from jaxserve.batch import StepInputs
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.layers import apply_rope, gated_mlp, linear, rms_norm, rope_inv_freq
+from jaxserve.quant import QuantizedLinear
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class LayerWeights:
-    """One array per parameter, stacked over layers (leading axis L). Linear weights are [in, out].
+    """One array per parameter, stacked over layers (leading axis L). Linear weights are [in, out], stored in the
+    model dtype, as bfloat16, or as a `quant.QuantizedLinear` (the engine's `quantization` scheme).
 
     Per-layer copies (`unstack_layers`) drop the L axis; `pack_linear_weights` then replaces the seven linear
     weights with `PackedLinear`s."""
@@ -59,7 +61,9 @@ class Weights:
     embed: Optional[jax.Array]  # f[V, D]; None on stages after the first (unless the last needs it, tied)
     layers: LayerWeights
     final_norm: Optional[jax.Array]  # f[D]; None on stages before the last
-    lm_head: Optional[jax.Array] = None  # f[D, V]; None when tied to `embed` (a PackedLinear once packed, tied or not)
+    # f[D, V]; None when tied to `embed` and stored as it (a PackedLinear once packed, or a quantized copy of
+    # embed.T under a quantization scheme, tied or not)
+    lm_head: Optional[jax.Array] = None
 
 
 # Logical axes of every weight, declared once here (`jaxserve.sharding` maps them onto a mesh): one layer's arrays;
@@ -74,10 +78,19 @@ WEIGHT_AXES = dict(embed=("vocab", "embed"), final_norm=("embed",), lm_head=("em
 
 
 def weight_axes(weights: Weights) -> Weights:
-    """A tree shaped like `weights` (stacked or unstacked layers, unpacked) whose leaves are logical-axes tuples."""
+    """A tree shaped like `weights` (stacked or unstacked layers, unpacked) whose leaves are logical-axes tuples. A
+    `QuantizedLinear`'s arrays take its weight's axes; per-channel scales (one group) are never split."""
+    def axes_of(w, axes):
+        if not isinstance(w, QuantizedLinear):
+            return axes
+        per_channel = w.scales.shape[-2] == 1
+        scale_axes = axes[:-2] + (None, axes[-1]) if per_channel else axes
+        return QuantizedLinear(axes, scale_axes, None if w.zeros is None else scale_axes, w.bits)
+
     def layer(lw: LayerWeights, stacked: bool) -> LayerWeights:
         return LayerWeights(**{
-            f.name: None if getattr(lw, f.name) is None else (("layers",) if stacked else ()) + LAYER_AXES[f.name]
+            f.name: None if getattr(lw, f.name) is None
+            else axes_of(getattr(lw, f.name), (("layers",) if stacked else ()) + LAYER_AXES[f.name])
             for f in dataclasses.fields(LayerWeights)
         })
 
@@ -86,7 +99,7 @@ def weight_axes(weights: Weights) -> Weights:
     return Weights(
         embed=None if weights.embed is None else WEIGHT_AXES["embed"], layers=layers,
         final_norm=None if weights.final_norm is None else WEIGHT_AXES["final_norm"],
-        lm_head=None if weights.lm_head is None else WEIGHT_AXES["lm_head"],
+        lm_head=None if weights.lm_head is None else axes_of(weights.lm_head, WEIGHT_AXES["lm_head"]),
     )
 
 
@@ -121,9 +134,11 @@ def repeat_kv_heads(cfg: ModelConfig, weights: Weights, r: int) -> tuple[ModelCo
         return cfg, weights
     K, H = cfg.num_kv_heads, cfg.head_dim
 
-    def repeat(a):  # [..., K * H] -> [..., K * r * H]
+    def repeat(a):  # [..., K * H] -> [..., K * r * H]; a QuantizedLinear's arrays all end in the output axis
         if a is None:
             return None
+        if isinstance(a, QuantizedLinear):
+            return jax.tree.map(repeat, a)
         a = np.asarray(a)
         return np.repeat(a.reshape(*a.shape[:-1], K, H), r, axis=-2).reshape(*a.shape[:-1], K * r * H)
 
@@ -148,7 +163,8 @@ LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def pack_linear_weights(weights: Weights) -> Weights:
-    """Unrolled f32 weights (`unstack_layers`) with every linear weight packed for the native CPU matmul.
+    """Unrolled weights (`unstack_layers`) with every linear weight packed for the native CPU matmul, each in its
+    stored form (float32, bfloat16, or a `QuantizedLinear`).
 
     The logits projection is packed too: `lm_head`, or for tied embeddings a packed copy of `embed.T` (one more
     V x D matrix in memory; `embed` itself stays for the token lookup). Host-side, once, before `device_put`.
@@ -244,8 +260,8 @@ def compute_logits(weights: Weights, h: jax.Array) -> jax.Array:
     """h: f[R, D] (already final-normed) -> f32[R, V]."""
     if weights.lm_head is None:
         out = jnp.einsum("rd,vd->rv", h, weights.embed, preferred_element_type=jnp.float32)
-    elif isinstance(weights.lm_head, ops.PackedLinear):
-        out = linear(h, weights.lm_head)
+    elif isinstance(weights.lm_head, (ops.PackedLinear, QuantizedLinear)) or weights.lm_head.dtype != h.dtype:
+        out = linear(h, weights.lm_head)  # packed, quantized, or stored narrower than the activations (bf16)
     else:
         out = jnp.einsum("rd,dv->rv", h, weights.lm_head, preferred_element_type=jnp.float32)
-    return out
+    return out.astype(jnp.float32)
