@@ -13,6 +13,8 @@ import json
 import logging
 import sys
 
+from jaxserve.config import QUANTIZATION_SCHEMES
+
 
 def _json_object(text: str) -> dict:
     try:
@@ -35,6 +37,7 @@ def engine_flags(args: argparse.Namespace) -> dict:
         "num_pages": args.num_pages,
         "enable_prefix_caching": args.enable_prefix_caching,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "speculative_config": args.speculative_config,
         "precompile": args.precompile,
         "mesh": args.mesh,
@@ -53,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--kv-cache-dtype", default=None,
                    choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"])
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_SCHEMES),
+                   help="how linear weights are stored: none (the dtype), bf16, int8 (per channel), int4 / int4-g64 "
+                   "(groups of 32 / 64), gguf (a GGUF's own blocks); default: gguf for a quantized GGUF, else none")
     p.add_argument(
         "--speculative-config",
         type=_json_object,

@@ -40,7 +40,9 @@ class DraftModelProposer(Proposer):
 
         from jaxserve.runner import ModelRunner
 
-        ckpt = load_checkpoint(spec.model)
+        # the target's weight scheme; "gguf" (which only a quantized GGUF has) lets the draft model pick its own
+        scheme = engine_cfg.quantization
+        ckpt = load_checkpoint(spec.model, None if scheme in (None, "gguf") else scheme)
         if ckpt.config.vocab_size != target.vocab_size:
             raise ValueError(
                 f"speculative_config.model {spec.model!r} has vocab_size {ckpt.config.vocab_size}, the target has "
@@ -50,10 +52,11 @@ class DraftModelProposer(Proposer):
         # the target (tokens travel through the host), and is small enough that splitting it would cost more
         mesh_cfg = None if engine_cfg.mesh is None else engine_cfg.mesh.first_device()
         self.cfg = engine_cfg.replace(speculative_config=None, mesh=mesh_cfg)
-        weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(engine_cfg.dtype), ckpt.path)
+        weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(engine_cfg.dtype), ckpt.path, ckpt.quantization)
         self.runner = ModelRunner(ckpt.config, self.cfg, weights, engine_cfg.dtype,
                                   mesh=None if mesh_cfg is None else sharding.make_mesh(mesh_cfg))
-        logger.info("draft model %s: %d layers", spec.model, ckpt.config.num_layers)
+        logger.info("draft model %s: %d layers, quantization=%s", spec.model, ckpt.config.num_layers,
+                    ckpt.quantization)
 
     def warmup(self) -> None:
         self.runner.warmup()
