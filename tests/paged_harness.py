@@ -24,12 +24,13 @@ class PagedModel:
     """Runs ragged steps on a checkpoint; sequence i owns pages [1 + i*pages_per_seq, ...)."""
 
     def __init__(self, path: str, *, num_seqs: int = 4, page_size: int = 4, pages_per_seq: int = 16, dtype="float32",
-                 layers: str = "scanned"):
+                 layers: str = "scanned", quantization: str = "none"):
         """`layers`: "scanned" (stacked weights, lax.scan), "unrolled" (per-layer weights) or "packed" (unrolled,
-        linear weights packed for the native CPU matmul)."""
-        ckpt = load_checkpoint(path)
+        linear weights packed for the native CPU matmul). `quantization`: how linear weights are stored
+        (`jaxserve.quant`); `self.host_weights` keeps the stacked host form."""
+        ckpt = load_checkpoint(path, quantization)
         self.cfg = ckpt.config
-        weights = to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype))
+        weights = self.host_weights = to_weights(ckpt.config, ckpt.tensors, np.dtype(dtype), path, ckpt.quantization)
         if layers != "scanned":
             weights = unstack_layers(weights)
         if layers == "packed":
