@@ -11,8 +11,10 @@ step traces depends on its arguments only, never on environment variables read a
 `Backends` holds concrete choices, never "auto":
 - `attention`: "pallas" (a GPU: the Pallas kernel where it covers the shapes, the XLA reference otherwise, which
   `pallas_kernels` logs once per reason), "native" (the C++ kernel on the CPU), "xla" (the XLA reference).
-- `matmul`: "native" (linear weights are packed with `pack_linear` when placed; `linear` then runs the C++ matmul)
-  or "xla" (plain dots). The weights' form carries this choice into the step, so `linear` needs no argument.
+- `matmul`: "native" (linear weights are packed with `pack_linear` when placed; `linear` then runs the C++ matmul),
+  "pallas" (a GPU: group-wise quantized weights are marked `kernel="pallas"` when placed; `linear` then runs the
+  Pallas dequantizing matmul where it covers the shapes) or "xla" (plain dots). The weights' form carries this
+  choice into the step, so `linear` needs no argument.
 
 `attend` and `linear` reach the kernel modules through their attributes at call time, so a test can swap a kernel
 entry point; the sampler calls `ops.verify_one_hot` the same way.
@@ -32,6 +34,7 @@ from cpu_kernels import ragged_paged_attention as _cpu_rpa
 from jaxserve import sharding
 from jaxserve.config import BACKEND_ENV, EngineConfig
 from jaxserve.quant import QuantizedLinear
+from pallas_kernels import quant_matmul as _quant_matmul
 from pallas_kernels import ragged_paged_attention as _rpa
 from pallas_kernels import spec_verify as _spec_verify
 from pallas_kernels.ragged_paged_attention import reference as _rpa_reference
@@ -40,7 +43,7 @@ from pallas_kernels.spec_verify import reference as _spec_verify_reference
 # --- backends ---------------------------------------------------------------------------------------------------
 
 ATTENTION_BACKENDS = ("pallas", "native", "xla")  # resolved values of Backends.attention
-MATMUL_BACKENDS = ("native", "xla")  # resolved values of Backends.matmul
+MATMUL_BACKENDS = ("native", "xla", "pallas")  # resolved values of Backends.matmul
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,9 +102,9 @@ def resolve_attention_backend(choice: str) -> str:
 
 
 def resolve_matmul_backend(choice: str, dtype, scan_layers: bool) -> str:
-    """'auto' | 'xla' | 'native' -> one of MATMUL_BACKENDS. The native matmul needs the CPU, float32 weights and
+    """'auto' | 'xla' | 'native' -> one of MATMUL_BACKENDS. The native matmul needs the CPU, float32 activations and
     unrolled layers (it packs each layer's weights); auto takes it when all hold and the library loads, native
-    raises saying which condition fails."""
+    raises saying which condition fails. On a GPU, auto is "pallas"."""
     if choice not in ("auto", "xla", "native"):
         raise ValueError(f"matmul_backend must be one of auto, xla, native (got {choice!r})")
     if choice == "xla":
@@ -118,6 +121,8 @@ def resolve_matmul_backend(choice: str, dtype, scan_layers: bool) -> str:
             raise RuntimeError(f"{field} but the native CPU matmul library could not be built or loaded (see the "
                                "warning above); install g++ or use auto / xla")
         return "native"
+    if platform == "gpu":
+        return "pallas"  # only quantized weights with groups use it (XLA fuses plain and per-channel converts)
     return "native" if why_not is None and native_matmul_available() else "xla"
 
 
@@ -215,6 +220,12 @@ def linear(x: jax.Array, w) -> jax.Array:
     if isinstance(w, PackedLinear):
         return _cpu_matmul.matmul(x, w)
     if isinstance(w, QuantizedLinear):
+        if w.kernel == "pallas" and _quant_matmul.unsupported_reason(x, w.q, w.scales, bits=w.bits) is None:
+            return _quant_matmul.quant_matmul(x, w.q, w.scales, w.zeros, bits=w.bits)
+        if w.scales.shape[-2] == 1 and w.zeros is None and w.bits == 8:
+            # one scale per output channel: scale the product, so the dot reads the int8 weight itself (XLA's GPU
+            # compiler fuses the convert into the GEMM; a scaled operand would be written out as a whole bf16 copy)
+            return (x @ w.q.astype(x.dtype)) * w.scales[0].astype(x.dtype)
         return x @ w.dequantize(x.dtype)
     return x @ w.astype(x.dtype)
 

@@ -47,12 +47,16 @@ class QuantizedLinear:
     """A linear weight [..., K, N] ([in, out]; leading axes = stacked layers) as integers with group-wise scales:
     w[k, n] = q[k, n] * scales[k // G, n] + zeros[k // G, n] (float32 arithmetic: the product rounded, then the sum).
 
-    4-bit values (0..15) are stored two per byte along K: byte [k // 2, n] holds k even in its low nibble."""
+    4-bit values (0..15) are stored two per byte along K, each group's first half in the low nibbles and its second
+    half in the high ones: byte [g * G / 2 + j, n] holds k = g * G + j (low) and k = g * G + G / 2 + j (high), so
+    a kernel reads one group as two contiguous [G / 2, N] halves of the same bytes."""
 
     q: jax.Array  # int8 [..., K, N] (bits 8) | uint8 [..., K // 2, N] (bits 4)
     scales: jax.Array  # f32 [..., K // G, N]
     zeros: jax.Array | None  # f32 [..., K // G, N]; None = 0
     bits: int = dataclasses.field(metadata=dict(static=True))
+    # what `ops.linear` runs: "xla" (dequantize, then XLA's dot) or "pallas" (the GPU kernel, `ops.Backends.matmul`)
+    kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -73,7 +77,8 @@ class QuantizedLinear:
             return self.q
         xp = np if isinstance(self.q, np.ndarray) else jnp
         *lead, half, n = self.q.shape
-        return xp.stack([self.q & 15, self.q >> 4], axis=-2).reshape(*lead, 2 * half, n)
+        q = self.q.reshape(*lead, 2 * half // self.group, self.group // 2, n)  # [..., groups, G / 2, N]
+        return xp.stack([q & 15, q >> 4], axis=-3).reshape(*lead, 2 * half, n)
 
     def dequantize(self, dtype=jnp.float32):
         """The float weight [..., K, N] (numpy in, numpy out; traceable on jax arrays)."""
@@ -89,8 +94,10 @@ class QuantizedLinear:
 def from_values(values: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int) -> QuantizedLinear:
     """Host integer values [..., K, N] (int8, or 0..15 for bits 4) -> QuantizedLinear (4-bit packed along K)."""
     if bits == 4:
-        v = values.astype(np.uint8)
-        q = v[..., 0::2, :] | (v[..., 1::2, :] << 4)
+        *lead, K, N = values.shape
+        G = K // scales.shape[-2]
+        v = values.astype(np.uint8).reshape(*lead, K // G, 2, G // 2, N)  # each group's two halves
+        q = (v[..., 0, :, :] | (v[..., 1, :, :] << 4)).reshape(*lead, K // 2, N)
     elif bits == 8:
         q = values.astype(np.int8)
     else:
@@ -278,6 +285,12 @@ def linear_bytes(weights) -> int:
     """Bytes of a (stacked) Weights tree's linear maps as stored: what a decode step streams, logits included."""
     maps = [getattr(weights.layers, f) for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
     return sum(m.nbytes for m in maps + [weights.lm_head if weights.lm_head is not None else weights.embed])
+
+
+def with_kernel(weights, kernel: str):
+    """`weights` with every QuantizedLinear marked to run on `kernel` ("xla" | "pallas")."""
+    return jax.tree.map(lambda w: dataclasses.replace(w, kernel=kernel) if isinstance(w, QuantizedLinear) else w,
+                        weights, is_leaf=lambda w: isinstance(w, QuantizedLinear))
 
 
 def describe(weights) -> str:

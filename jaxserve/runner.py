@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve import ops, sharding
+from jaxserve import ops, quant, sharding
 from jaxserve.batch import Bucket, StepBatch, build_step_inputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import KV_AXES, KV_SCALE_AXES, KVCache, init_kv_cache, kv_cache_bytes
@@ -125,6 +125,8 @@ class ModelRunner:
         self.native_matmul = self.backends.matmul == "native"
         if self.native_matmul:
             host_weights = pack_linear_weights(host_weights)
+        elif self.backends.matmul == "pallas":
+            host_weights = quant.with_kernel(host_weights, "pallas")
         self.mesh = mesh if mesh is not None else self.backends.mesh  # weights and KV placed by logical axes
         self.first_stage = first_stage
         self.last_stage = host_weights.final_norm is not None

@@ -85,7 +85,7 @@ def weight_axes(weights: Weights) -> Weights:
             return axes
         per_channel = w.scales.shape[-2] == 1
         scale_axes = axes[:-2] + (None, axes[-1]) if per_channel else axes
-        return QuantizedLinear(axes, scale_axes, None if w.zeros is None else scale_axes, w.bits)
+        return dataclasses.replace(w, q=axes, scales=scale_axes, zeros=None if w.zeros is None else scale_axes)
 
     def layer(lw: LayerWeights, stacked: bool) -> LayerWeights:
         return LayerWeights(**{
