@@ -46,20 +46,24 @@ def test_greedy_matches_hf_generate(llm, tiny):
         assert o.prompt_token_ids == p
 
 
+def generate_busy(eng, prompts, params) -> list[list[int]]:
+    """Token ids of each prompt when one new request arrives per step while the others decode or prefill."""
+    got, pending = {}, list(enumerate(prompts))
+    while pending or eng.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            eng.add_request(f"busy-{i}", p if isinstance(p, dict) else {"prompt_token_ids": p}, params)
+        for out in eng.step():
+            if out.finished:
+                got[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
+    return [got[i] for i in range(len(prompts))]
+
+
 def test_alone_equals_in_busy_batch(llm):
     """Each request's output is the same alone and mixed with others that arrive at different steps."""
     prompts = _prompts(7, seed=1)
     alone = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    eng = llm.llm_engine
-    got, pending = {}, list(enumerate(prompts))
-    while pending or eng.has_unfinished_requests():
-        if pending:  # one new arrival per step while others decode or prefill
-            i, p = pending.pop(0)
-            eng.add_request(f"busy-{i}", {"prompt_token_ids": p}, GREEDY)
-        for out in eng.step():
-            if out.finished:
-                got[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
-    assert [got[i] for i in range(len(prompts))] == alone
+    assert generate_busy(llm.llm_engine, prompts, GREEDY) == alone
 
 
 def test_preemption_keeps_outputs_and_pages(tiny):
