@@ -34,8 +34,13 @@ def tiny(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def float_logprobs(tiny):
+    return _run(LLM(tiny, quantization="none", **KW), _prompts(5))[1]
+
+
 @pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
-def test_native_matmul_equals_xla_reference_and_is_batch_invariant(tiny, scheme):
+def test_native_matmul_equals_xla_reference_and_is_batch_invariant(tiny, float_logprobs, scheme):
     """The native kernel over packed quantized weights gives the XLA reference's tokens (logprobs within 1e-4), and
     each request's tokens are the same alone as among arrivals at every step."""
     prompts = _prompts(5)
@@ -48,12 +53,10 @@ def test_native_matmul_equals_xla_reference_and_is_batch_invariant(tiny, scheme)
     alone = [_run(native, [p])[0][0] for p in prompts]
     assert alone == nt
     assert generate_busy(native.llm_engine, prompts, GREEDY) == nt
-    plain = LLM(tiny, quantization="none", **KW)
-    assert _run(plain, prompts)[1] != nl  # the scheme is in effect
+    assert float_logprobs != nl  # the scheme is in effect
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_speculation_is_lossless_on_a_quantized_target(tmp_path, scheme):
+def test_speculation_is_lossless_on_a_quantized_target(tmp_path, scheme="int4"):
     """EAGLE-3 (the head reads the quantized target's features), n-gram and a draft model (which takes the target's
     scheme) change no token of the quantized target's greedy output."""
     def plain(path):
@@ -82,7 +85,7 @@ rng = np.random.default_rng(0)
 prompts = [{"prompt_token_ids": rng.integers(3, 250, int(rng.integers(3, 30))).tolist()} for _ in range(4)]
 greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
 report = {}
-for scheme in ("bf16", "int8", "int4"):
+for scheme in ("int8", "int4"):
     for mesh in (None, "tp2"):
         llm = LLM(path, quantization=scheme, mesh=mesh, **KW)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
@@ -99,7 +102,7 @@ def test_tensor_parallel_over_quantized_weights_equals_one_device(tmp_path):
     """tp2 shards the quantized arrays (values, scales, zeros) like their weights and gives one device's greedy
     tokens, logprobs within 1e-5."""
     r = run_on_devices(_TP_SCRIPT, str(tmp_path), devices=2)
-    for scheme in ("bf16", "int8", "int4"):
+    for scheme in ("int8", "int4"):
         one, tp = r[f"{scheme}/None"], r[f"{scheme}/tp2"]
         assert tp["tokens"] == one["tokens"], scheme
         np.testing.assert_allclose(tp["logprobs"], one["logprobs"], atol=1e-5, err_msg=scheme)
