@@ -106,7 +106,9 @@ async def serve(serving: ServingEngine, cfg: ServerConfig) -> int:
         parts.append(f"grpc {cfg.host}:{server.grpc_port}")
     if server.http_port is not None:
         parts.append(f"{scheme} {scheme}://{cfg.host}:{server.http_port}")
-    print(f"jaxserve: serving {serving.model_name} on {', '.join(parts)}", flush=True)
+    ec = serving.llm.engine_config
+    print(f"jaxserve: serving {serving.model_name} (weights: quantization={ec.quantization}, dtype={ec.dtype}) on "
+          f"{', '.join(parts)}", flush=True)
     await stop.wait()
     if dead:
         print(f"jaxserve: the engine failed ({dead[0]}); stopping with exit status 1", flush=True)

@@ -39,6 +39,7 @@ def _launch(path, *extra):
         lines.append(line)
         m = re.search(r"grpc [\d.]+:(\d+), https? https?://[\d.]+:(\d+)", line)
         if m:
+            proc.serving_line = line
             return proc, int(m.group(1)), int(m.group(2))
     proc.wait(timeout=10)
     raise AssertionError("server did not start:\n" + "".join(lines))
@@ -103,7 +104,9 @@ def test_tls_and_api_key(path, tmp_path):
          "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True, capture_output=True,
     )  # fmt: skip
-    proc, grpc_port, http_port = _launch(path, "--tls-cert", cert, "--tls-key", key, "--api-key", "t0ken")
+    proc, grpc_port, http_port = _launch(path, "--tls-cert", cert, "--tls-key", key, "--api-key", "t0ken",
+                                         "--quantization", "int8")
+    assert "weights: quantization=int8, dtype=float32" in proc.serving_line  # the start line says the scheme
     try:
         ctx = ssl.create_default_context(cafile=cert)
 
@@ -161,6 +164,8 @@ def test_engine_options_flags_override_the_config_yaml():
     assert cfg.token_buckets[-1] == 64, "buckets the YAML left to be derived follow the flags' budget"
     assert cfg.precompile, "servers precompile unless told not to"
     assert not engine_config_from(*_serve_args("--no-precompile")).precompile
+    assert engine_config_from(*_serve_args("--quantization", "int4")).quantization == "int4"
+    assert engine_config_from(*_serve_args()).quantization is None, "default: chosen per checkpoint at load"
 
 
 def test_engine_options_keep_what_the_yaml_sets(tmp_path):
