@@ -86,10 +86,11 @@ prompts = [{"prompt_token_ids": rng.integers(3, 250, int(rng.integers(3, 30))).t
 greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
 report = {}
 for scheme in ("int8", "int4"):
-    for mesh in (None, "tp2"):
+    for mesh in (None, "tp2", "pp2"):
         llm = LLM(path, quantization=scheme, mesh=mesh, **KW)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        wq = llm.llm_engine.runner.weights.layers[0].wq
+        runner = llm.llm_engine.runner
+        wq = (runner.stages[0] if hasattr(runner, "stages") else runner).weights.layers[0].wq
         report[f"{scheme}/{mesh}"] = dict(
             tokens=[o.outputs[0].token_ids for o in outs],
             logprobs=[lp[t].logprob for o in outs for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
@@ -98,15 +99,17 @@ print(json.dumps(report))
 """
 
 
-def test_tensor_parallel_over_quantized_weights_equals_one_device(tmp_path):
-    """tp2 shards the quantized arrays (values, scales, zeros) like their weights and gives one device's greedy
-    tokens, logprobs within 1e-5."""
+def test_parallel_meshes_over_quantized_weights_equal_one_device(tmp_path):
+    """tp2 shards the quantized arrays (values, scales, zeros) like their weights, pp2 splits their layers; both
+    give one device's greedy tokens, logprobs within 1e-5."""
     r = run_on_devices(_TP_SCRIPT, str(tmp_path), devices=2)
     for scheme in ("int8", "int4"):
-        one, tp = r[f"{scheme}/None"], r[f"{scheme}/tp2"]
-        assert tp["tokens"] == one["tokens"], scheme
-        np.testing.assert_allclose(tp["logprobs"], one["logprobs"], atol=1e-5, err_msg=scheme)
-        assert "tp" in tp["wq_spec"], (scheme, tp["wq_spec"])
+        one = r[f"{scheme}/None"]
+        for mesh in ("tp2", "pp2"):
+            got = r[f"{scheme}/{mesh}"]
+            assert got["tokens"] == one["tokens"], (scheme, mesh)
+            np.testing.assert_allclose(got["logprobs"], one["logprobs"], atol=1e-5, err_msg=f"{scheme} {mesh}")
+        assert "tp" in r[f"{scheme}/tp2"]["wq_spec"], (scheme, r[f"{scheme}/tp2"]["wq_spec"])
 
 
 def test_default_model_served_from_its_blocks():
