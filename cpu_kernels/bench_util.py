@@ -134,3 +134,19 @@ def _json_default(o):
     if hasattr(o, "tolist"):  # numpy / jax scalars and arrays
         return o.tolist()
     raise TypeError(f"cannot write {type(o).__name__} to JSON")
+
+
+def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """Bytes/s of np.copyto between preallocated float32 arrays (read + write), median of `reps` after a warm-up: the
+    same measure as bench/decode.py's roofline."""
+    import numpy as np
+
+    src = np.ones(mib * 2**20 // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.nbytes / statistics.median(times)

@@ -1,37 +1,48 @@
-"""CPU benchmark: the native FFI matmul against XLA's dot, on SmolLM2-135M's linear maps.
+"""CPU benchmark: the native FFI matmul (f32, bf16, int8, 4-bit weights) against XLA's dot, on SmolLM2-135M's
+linear maps.
 
-    python -m cpu_kernels.matmul.bench            # ~1-2 min on 2 cores; writes docs/benchmarks/cpu_matmul.{json,md}
+    python -m cpu_kernels.matmul.bench            # ~3-4 min on 2 cores; writes docs/benchmarks/cpu_matmul.{json,md}
     python -m cpu_kernels.matmul.bench --smoke    # tiny shapes, a few seconds, writes nothing
 
-Two tables, at M = 1 (single-stream decode), 16 (a full decode batch), 64 and 256 (prefill chunks) rows:
+Two tables:
 
-* **One step's linear maps, weights from memory** (the number that matters): a jitted chain over 30 layers of
-  distinct random weights (q, k, v, o, gate, up, down per layer, RMS-normalised residual) plus the tied logits
-  projection, 540 MB of f32 weights per call, as in a real decode step where no weight is still in cache.
-* **One product, weights hot in cache**: each shape alone, repeated (a 576x576 weight stays in L2/L3), which
+* **One step's linear maps, weights from memory** (the number that matters), at M = 1 (single-stream decode), 16 (a
+  full decode batch) and 64 (a prefill chunk) rows, per weight format: a jitted chain over 30 layers of distinct
+  random weights (q, k, v, o, gate, up, down per layer, RMS-normalised residual) plus the tied logits projection
+  (540 MB in f32, 135 MB in int8), as in a real decode step where no weight is still in cache. The formats' native
+  chains run interleaved (f32, bf16, ..., f32, bf16, ...), then XLA's versions, interleaved (a dot against f32
+  weights, or against `unpack()` of the packed weight: the fallback). Bandwidth is the packed bytes (values, scales,
+  zeros) over the median time, against the copy bandwidth (np.copyto, read + write, as bench/decode.py measures it).
+* **One product, weights hot in cache**, f32: each shape alone, repeated (a 576x576 weight stays in L2/L3), which
   flatters XLA's dot: it shows the kernels' arithmetic, not the streaming a step does.
 
-Times are the minimum and median of interleaved repeats (xla, native, xla, ...). Max |error| is against a float64
-numpy product (per shape) or between the two chains (per step).
+Times are the median (and minimum) of interleaved repeats. Max |error| is against a float64 numpy product (per shape)
+or between the native and XLA chains of the same weights (per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
+from cpu_kernels import bench_util as util
 from cpu_kernels import matmul as native
-from cpu_kernels.bench_util import OUT_DIR, machine_info, machine_line, md_table, time_calls, write_outputs
 
 NUM_LAYERS = 30
 # (name, K, N)
 SHAPES = [("q, o proj", 576, 576), ("k, v proj", 576, 192), ("gate, up proj", 576, 1536), ("down proj", 1536, 576),
           ("logits (tied embed)", 576, 49152)]
 ROWS = (1, 16, 64, 256)
+STEP_ROWS = (1, 16, 64)
+# weight format label -> (format, group G (0: one group = K), zeros)
+STEP_FORMATS = {"f32": ("f32", 0, False), "bf16": ("bf16", 0, False), "int8, G = K": ("int8", 0, False),
+                "int8, G = 32": ("int8", 32, False), "int4, G = 32 + zeros": ("int4", 32, True)}
 
 
 def bench_case(K: int, N: int, M: int, rounds: int) -> dict:
@@ -45,20 +56,33 @@ def bench_case(K: int, N: int, M: int, rounds: int) -> dict:
     probe = time.perf_counter()
     impls["xla"](*args["xla"]).block_until_ready()
     per_sample = max(1, int(0.05 / max(time.perf_counter() - probe, 1e-6)))
-    times = time_calls({name: (f, args[name]) for name, f in impls.items()}, rounds, per_sample)
+    times = util.time_calls({name: (f, args[name]) for name, f in impls.items()}, rounds, per_sample)
     row = dict(K=K, N=N, M=M, gflop=2 * M * K * N / 1e9, xla_max_abs_err=errs["xla"], native_max_abs_err=errs["native"])
     for name, t in times.items():
         row[f"{name}_ms_min"], row[f"{name}_ms_median"] = t["min_ms"], t["median_ms"]
     return row
 
 
-def _step_weights(rng) -> tuple[list[dict], np.ndarray]:
-    layers = []
-    for _ in range(NUM_LAYERS):
-        layers.append({name: (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
-                       for name, K, N in (("wq", 576, 576), ("wk", 576, 192), ("wv", 576, 192), ("wo", 576, 576),
-                                          ("w_gate", 576, 1536), ("w_up", 576, 1536), ("w_down", 1536, 576))})
-    return layers, (rng.standard_normal((576, 49152)) / 24).astype(np.float32)
+def _random_weight(rng, K: int, N: int, fmt: str, group: int, zeros: bool) -> native.PackedLinear:
+    """A random packed weight of about N(0, 1 / K) entries in `fmt` (values, scales and zeros drawn directly)."""
+    if fmt in ("f32", "bf16"):
+        w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+        return native.pack(w if fmt == "f32" else w.astype(ml_dtypes.bfloat16))
+    G = group or K
+    if fmt == "int8":
+        q, spread, mid = rng.integers(-127, 128, (K, N)).astype(np.int8), 73.0, 0.0
+    else:
+        q, spread, mid = rng.integers(0, 16, (K, N)).astype(np.uint8), 4.6, 7.5
+    s = (rng.uniform(0.8, 1.2, (K // G, N)) / (spread * np.sqrt(K))).astype(np.float32)
+    return native.pack_quantized(q, s, (-mid * s).astype(np.float32) if zeros else None, bits=8 if fmt == "int8" else 4)
+
+
+def _step_weights(rng, fmt: str, group: int, zeros: bool) -> tuple[list[dict], native.PackedLinear]:
+    layers = [{name: _random_weight(rng, K, N, fmt, group, zeros)
+               for name, K, N in (("wq", 576, 576), ("wk", 576, 192), ("wv", 576, 192), ("wo", 576, 576),
+                                  ("w_gate", 576, 1536), ("w_up", 576, 1536), ("w_down", 1536, 576))}
+              for _ in range(NUM_LAYERS)]
+    return layers, _random_weight(rng, 576, 49152, fmt, group, zeros)
 
 
 def _chain(x, layers, head, mm):
@@ -71,22 +95,36 @@ def _chain(x, layers, head, mm):
     return mm(x, head)
 
 
-def bench_step(M: int, rounds: int, weights) -> dict:
-    layers, head = weights
+def bench_steps(M: int, rounds: int, weights: dict) -> list[dict]:
+    """One step's linear maps at M rows for every format in `weights` {label: (layers, head)}, native and XLA (a dot
+    against f32 weights as given, or against `unpack()`), all interleaved."""
     x = jnp.asarray(np.random.default_rng(1).standard_normal((M, 576)).astype(np.float32))
-    args = {
-        "xla": (x, [{k: jnp.asarray(v) for k, v in w.items()} for w in layers], jnp.asarray(head)),
-        "native": (x, [{k: native.pack(v) for k, v in w.items()} for w in layers], native.pack(head)),
-    }
-    impls = {"xla": jax.jit(lambda x, ws, h: _chain(x, ws, h, lambda a, b: a @ b)),
-             "native": jax.jit(lambda x, ws, h: _chain(x, ws, h, native.matmul))}
-    outs = {name: np.asarray(f(*args[name])) for name, f in impls.items()}
-    err = float(np.abs(outs["native"] - outs["xla"]).max())
-    times = time_calls({name: (f, args[name]) for name, f in impls.items()}, rounds)
-    row = dict(M=M, max_abs_diff=err)
-    for name, t in times.items():
-        row[f"{name}_ms_min"], row[f"{name}_ms_median"] = t["min_ms"], t["median_ms"]
-    return row
+    native_step = jax.jit(lambda x, ws, h: _chain(x, ws, h, native.matmul))
+    xla_step = jax.jit(lambda x, ws, h: _chain(x, ws, h, lambda a, b: a @ b.unpack()))
+    xla_f32_step = jax.jit(lambda x, ws, h: _chain(x, ws, h, lambda a, b: a @ b))
+    calls = {}
+    for label, (layers, head) in weights.items():
+        calls[("native", label)] = (native_step, (x, layers, head))
+        if label == "f32":  # XLA's plain dot against the unpacked f32 weights (what runs without the kernel)
+            layers, head = ([{k: v.unpack() for k, v in w.items()} for w in layers], head.unpack())
+            calls[("xla", label)] = (xla_f32_step, (x, layers, head))
+        else:
+            calls[("xla", label)] = (xla_step, (x, layers, head))
+    outs = {key: np.asarray(f(*args)) for key, (f, args) in calls.items()}  # also the warm-up
+    # Two interleaved groups, native then XLA: the XLA fallback's dequantized temporaries (hundreds of MB per call,
+    # page faults and frees) slow whatever runs next, which would penalise the native calls interleaved with them.
+    times = {}
+    for impl in ("native", "xla"):
+        times.update(util.time_calls({key: call for key, call in calls.items() if key[0] == impl}, rounds))
+    rows = []
+    for label, (layers, head) in weights.items():
+        nbytes = sum(w.nbytes for layer in layers for w in layer.values()) + head.nbytes
+        nat, xla = times[("native", label)], times[("xla", label)]
+        rows.append(dict(format=label, M=M, packed_bytes=nbytes, native_ms_median=nat["median_ms"],
+                         native_ms_min=nat["min_ms"], xla_ms_median=xla["median_ms"], xla_ms_min=xla["min_ms"],
+                         native_GBps=nbytes / nat["median_ms"] / 1e6,
+                         max_abs_diff=float(np.abs(outs[("native", label)] - outs[("xla", label)]).max())))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,20 +136,28 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the native CPU matmul library could not be built (see the warning above)")
     shapes = [("smoke", 64, 100)] if args.smoke else SHAPES
     rows_m = (1, 5) if args.smoke else ROWS
-    steps = []
+    steps, bandwidth = [], []
     if not args.smoke:
-        weights = _step_weights(np.random.default_rng(0))
-        for M in rows_m:
-            row = bench_step(M, args.rounds, weights)
-            steps.append(row)
-            print(f"one step M={M}: xla {row['xla_ms_min']:.1f} ms, native {row['native_ms_min']:.1f} ms (min)",
-                  flush=True)
+        rng = np.random.default_rng(0)
+        weights = {label: _step_weights(rng, *spec) for label, spec in STEP_FORMATS.items()}
+        for M in STEP_ROWS:
+            bandwidth.append(util.copy_bandwidth())
+            for row in bench_steps(M, args.rounds, weights):
+                steps.append(row)
+                print(f"one step M={M} {row['format']}: native {row['native_ms_median']:.1f} ms, "
+                      f"{row['native_GBps']:.1f} GB/s; xla {row['xla_ms_median']:.1f} ms (medians)", flush=True)
+        bandwidth.append(util.copy_bandwidth())
         del weights
-    step_table = md_table(
-        ["M rows", "XLA ms min (median)", "native ms min (median)", "speedup (min)", "max abs diff"],
-        [[r["M"], f"{r['xla_ms_min']:.1f} ({r['xla_ms_median']:.1f})",
-          f"{r['native_ms_min']:.1f} ({r['native_ms_median']:.1f})", f"{r['xla_ms_min'] / r['native_ms_min']:.2f}x",
-          f"{r['max_abs_diff']:.1e}"] for r in steps])
+    copy_GBps = statistics.median(bandwidth) / 1e9 if bandwidth else float("nan")
+    f32_ms = {r["M"]: r["native_ms_median"] for r in steps if r["format"] == "f32"}
+    step_table = util.md_table(
+        ["weights", "M rows", "packed MB", "native ms median (min)", "native GB/s", "% of copy bandwidth",
+         "vs native f32", "XLA ms median (min)", "native vs XLA", "max abs diff"],
+        [[r["format"], r["M"], f"{r['packed_bytes'] / 1e6:.0f}",
+          f"{r['native_ms_median']:.1f} ({r['native_ms_min']:.1f})",
+          f"{r['native_GBps']:.1f}", f"{100 * r['native_GBps'] / copy_GBps:.0f}%",
+          f"{f32_ms[r['M']] / r['native_ms_median']:.2f}x", f"{r['xla_ms_median']:.1f} ({r['xla_ms_min']:.1f})",
+          f"{r['xla_ms_median'] / r['native_ms_median']:.2f}x", f"{r['max_abs_diff']:.1e}"] for r in steps])
     rows = []
     for name, K, N in shapes:
         for M in rows_m:
@@ -128,19 +174,28 @@ def main(argv: list[str] | None = None) -> None:
     ]
     header = ["linear map", "K x N", "M rows", "XLA ms min (median)", "native ms min (median)", "XLA GFLOP/s",
               "native GFLOP/s", "speedup (min)", "native max abs err"]
-    table = md_table(header, table_rows)
+    table = util.md_table(header, table_rows)
     print(step_table + "\n\n" + table)
     if args.smoke:
         return
-    meta = machine_info()
+    meta = util.machine_info()
     markdown = (
         "# CPU matmul: native FFI kernel vs XLA dot\n\n"
-        "SmolLM2-135M's linear maps, float32, x f32[M, K] @ w f32[K, N] (native: w packed in 32-column panels). "
+        "SmolLM2-135M's linear maps, x f32[M, K] @ w[K, N], w packed in 32-column panels as f32, bf16, int8 or 4-bit "
+        "(scales and zeros f32 per group of G along K; dequantized in registers, then the f32 FMA loop). "
         "`python -m cpu_kernels.matmul.bench`.\n\n"
-        f"## One step's linear maps ({NUM_LAYERS} layers x 7 + logits), weights from memory\n\n{step_table}\n\n"
-        f"## One product, weights hot in cache\n\n{table}\n\n{machine_line(meta)}\n"
+        f"## One step's linear maps ({NUM_LAYERS} layers x 7 + logits), weights from memory\n\n"
+        "Medians (minimum) of interleaved rounds over all formats (native, then XLA). "
+        "GB/s = packed bytes (values + scales + zeros) / "
+        f"median time; copy bandwidth {copy_GBps:.1f} GB/s (np.copyto read + write, median of "
+        f"{len(bandwidth)} measurements between the row counts). XLA = a dot against f32 weights (row f32) or "
+        "against `unpack()` (the fallback), in the same jitted chain.\n\n"
+        f"{step_table}\n\n"
+        f"## One product, weights hot in cache (f32)\n\n{table}\n\n{util.machine_line(meta)}\n"
     )
-    paths = write_outputs(OUT_DIR, "cpu_matmul", dict(meta=meta, rounds=args.rounds, steps=steps, rows=rows), markdown)
+    record = dict(meta=meta, rounds=args.rounds, copy_bandwidth_GBps=copy_GBps, copy_bandwidth_samples=bandwidth,
+                  steps=steps, rows=rows)
+    paths = util.write_outputs(util.OUT_DIR, "cpu_matmul", record, markdown)
     print("wrote " + ", ".join(paths))
 
 
