@@ -1,6 +1,7 @@
 """The native CPU matmul's bf16, int8 and 4-bit formats (`cpu_kernels/matmul`): numerics against a float64 product
-of the dequantized weight, bit-equality with the f32 kernel on the unpacked weight, batch invariance, the packed
-layout and `unpack`, validation, and the XLA fallback."""
+of the dequantized weight (for int8 and int4: times the per-block quantized activations, `fake_quant_activations`),
+the activation quantization bit for bit, batch invariance, the packed layout and `unpack`, validation, the portable
+C++ path, and the XLA fallback."""
 
 from __future__ import annotations
 
@@ -41,34 +42,123 @@ def _weight(fmt: str, K: int, N: int, group: int = 32, zeros: bool = True, seed:
     return native.pack_quantized(q, s, z, bits=bits), w
 
 
-CASES = [(fmt, K, G, z) for fmt in ("int8", "int4") for K, G in ((128, 32), (128, 64), (128, 128), (96, 32))
-         for z in (True, False)] + [("bf16", 128, 0, False), ("bf16", 7, 0, False)]
+CASES = [(fmt, K, G, z) for fmt in ("int8", "int4") for K, G in ((128, 32), (128, 64), (128, 128), (96, 32), (96, 48))
+         for z in (True, False)] + [("int8", 128, 16, z) for z in (True, False)] + [("bf16", 128, 0, False),
+                                                                               ("bf16", 7, 0, False)]
+
+
+def _reference(x: np.ndarray, fmt: str, w: np.ndarray) -> np.ndarray:
+    """float64 product: x @ w (bf16), or the per-block quantized x @ w (int8, int4: what the kernel multiplies)."""
+    if fmt in ("int8", "int4"):
+        x = np.asarray(native.fake_quant_activations(jnp.asarray(x)))
+    return x.astype(np.float64) @ w.astype(np.float64)
 
 
 @pytest.mark.parametrize("fmt,K,G,zeros", CASES)
 def test_matches_float64(fmt, K, G, zeros):
-    """Every row count 1..40 (every row-block size, balanced splits past kMr) against a float64 product of the
-    dequantized weight, with a partial last panel (N = 70) and several groups along K (G = 32, 64, K)."""
+    """Every row count 1..40 (every row-block size, balanced splits) against a float64 product of the dequantized
+    weight and (int8, int4) the quantized activations, with a partial last panel (N = 70) and several groups along K
+    (G = 16, 32, 48 (sub-blocks of 16), 64, K). The two differ only by float rounding: one activation off by one
+    level (~1e-3 here) or a scale from the wrong group shows."""
     packed, w = _weight(fmt, K, 70, G or K, zeros)
     f = jax.jit(native.matmul)
     x_all = np.random.default_rng(1).standard_normal((40, K)).astype(np.float32)
     for M in range(1, 41):
         x = x_all[:M]
         out = np.asarray(f(jnp.asarray(x), packed))
-        ref = x.astype(np.float64) @ w.astype(np.float64)
         assert out.shape == (M, 70) and out.dtype == np.float32
-        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K), err_msg=f"M={M}")
+        np.testing.assert_allclose(out, _reference(x, fmt, w), rtol=1e-5, atol=2e-6 * np.sqrt(K), err_msg=f"M={M}")
+
+
+def _quantize_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The activation quantization in numpy f32: per row and block of 32, d = max|x| / 127, xq = round-half-even(x *
+    (1 / d)) clipped to [-127, 127], 0 where d = 0."""
+    M, K = x.shape
+    xb = x.reshape(M, K // 32, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    xq = np.clip(np.rint(xb * inv[..., None]), -127, 127).astype(np.int8)
+    return xq.reshape(M, K), d
+
+
+def _activations_with_ties(M: int, K: int, seed: int) -> np.ndarray:
+    """Random rows, with blocks made to hit exact ties (x * (1 / d) = n + 0.5: max|x| = 127 * 2^e, so 1 / d = 2^-e
+    exactly), all-zero blocks, and a block of one nonzero (tiny and huge magnitudes)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K)).astype(np.float32) * rng.uniform(0.01, 100, (M, 1)).astype(np.float32)
+    for m in range(M):
+        b = 32 * (m % (K // 32))
+        e = np.float32(2.0 ** rng.integers(-6, 6))
+        x[m, b : b + 32] = (rng.integers(-127, 127, 32) + 0.5).astype(np.float32) * e
+        x[m, b] = 127 * e * (1 if m % 2 else -1)
+        if K >= 64:
+            z = (b + 32) % K
+            x[m, z : z + 32] = 0
+    x[0, -32:] = 0
+    x[0, -1] = 3e-30
+    if M > 1:
+        x[1, -32:] = 0
+        x[1, -2] = -3e30
+    return x
+
+
+def test_quantize_activations_matches_numpy():
+    """Bit for bit, ties (exact n + 0.5, half to even) and all-zero blocks (d = 0, xq = 0) included, jitted or not;
+    fake_quant_activations is xq * d."""
+    M, K = 64, 256
+    x = _activations_with_ties(M, K, seed=10)
+    xq_ref, d_ref = _quantize_numpy(x)
+    with np.errstate(divide="ignore"):
+        scaled = x.reshape(M, K // 32, 32) * np.where(d_ref > 0, 1 / d_ref, 0)[..., None]
+    ties = scaled[np.abs(scaled % 1 - 0.5) == 0]
+    assert ties.size > 500 and (np.rint(ties) % 2 == 0).all()  # the tie cases round to even
+    for fn in (native.quantize_activations, jax.jit(native.quantize_activations)):
+        xq, d = fn(jnp.asarray(x))
+        assert xq.dtype == jnp.int8 and d.dtype == jnp.float32 and d.shape == (M, K // 32)
+        np.testing.assert_array_equal(np.asarray(xq), xq_ref)
+        np.testing.assert_array_equal(np.asarray(d), d_ref)
+    assert (d_ref == 0).any() and (xq_ref.reshape(M, K // 32, 32)[d_ref == 0] == 0).all()
+    fq = np.asarray(jax.jit(native.fake_quant_activations)(jnp.asarray(x)))
+    np.testing.assert_array_equal(fq, (xq_ref.reshape(M, K // 32, 32) * d_ref[..., None]).reshape(M, K))
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_kernel_quantizes_activations_like_fake_quant(bits):
+    """The kernel's own quantization, bit for bit: against the identity weight (q = 1 on the diagonal, scale 1, one
+    group) y[m, n] = float(xq[m, n]) * d[m, n // 32], which is fake_quant_activations(x) exactly."""
+    K = 128
+    x = _activations_with_ties(23, K, seed=11)
+    q = np.eye(K, dtype=np.int8 if bits == 8 else np.uint8)
+    packed = native.pack_quantized(q, np.ones((1, K), np.float32), None, bits=bits)
+    out = np.asarray(jax.jit(native.matmul)(jnp.asarray(x), packed))
+    np.testing.assert_array_equal(out, np.asarray(native.fake_quant_activations(jnp.asarray(x))))
+
+
+@pytest.mark.parametrize("fmt", ("int8", "int4"))
+def test_activation_rounding_is_the_only_change(fmt):
+    """Against the product with unquantized activations, the relative error is small (~0.5%): quantizing x per block
+    of 32 to 8 bits is all that changed."""
+    packed, w = _weight(fmt, 576, 200, 32, seed=12)
+    x = np.random.default_rng(13).standard_normal((16, 576)).astype(np.float32)
+    out = np.asarray(jax.jit(native.matmul)(jnp.asarray(x), packed))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.linalg.norm(out - exact) / np.linalg.norm(exact) < 1e-2
 
 
 @pytest.mark.parametrize("fmt,K,G,zeros", CASES)
-def test_equals_f32_kernel_on_unpacked_weight(fmt, K, G, zeros):
-    """Bit for bit: the kernel dequantizes exactly as `unpack` (product rounded, then sum) and then runs the f32
-    kernel's FMA chain, so a wrong nibble, group or rounding shows as an inequality."""
+def test_bf16_equals_f32_kernel_and_fallback_equals_kernel(fmt, K, G, zeros):
+    """bf16: bit for bit the f32 kernel on the unpacked weight. int8, int4: the XLA expression of the semantics
+    (`fake_quant_activations(x) @ unpack()`, what the fallback computes) within float rounding."""
     packed, _ = _weight(fmt, K, 70, G or K, zeros, seed=2)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((13, K)).astype(np.float32))
     f = jax.jit(native.matmul)
-    dense = native.pack(np.asarray(packed.unpack()))
-    np.testing.assert_array_equal(np.asarray(f(x, packed)), np.asarray(f(x, dense)))
+    if fmt == "bf16":
+        np.testing.assert_array_equal(np.asarray(f(x, packed)), np.asarray(f(x, native.pack(np.asarray(
+            packed.unpack())))))
+    else:
+        xla = jax.jit(lambda x, w: native.fake_quant_activations(x) @ w.unpack())(x, packed)
+        np.testing.assert_allclose(np.asarray(f(x, packed)), np.asarray(xla), rtol=1e-5, atol=2e-6 * np.sqrt(K))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -98,19 +188,24 @@ def test_layouts():
     bf16, _ = _weight("bf16", K, N)
     assert bf16.format == "bf16" and bf16.panels.shape == (3, K, 32) and bf16.panels.dtype == jnp.bfloat16
     assert bf16.scales is None and bf16.group == 0 and bf16.shape == (K, N)
-    int8, _ = _weight("int8", K, N, group=32)
-    assert int8.format == "int8" and int8.panels.shape == (3, K, 32) and int8.group == 32
-    assert int8.scales.shape == int8.zeros.shape == (3, 2, 32)
-    np.testing.assert_array_equal(np.asarray(int8.panels)[2, :, 6:], 0)  # padding columns are zero
+    q8 = np.random.default_rng(14).integers(-128, 128, (K, N)).astype(np.int8)
+    int8 = native.pack_quantized(q8, np.ones((2, N), np.float32), np.zeros((2, N), np.float32))
+    assert int8.format == "int8" and int8.panels.shape == (3, K // 4, 128) and int8.group == 32
+    assert int8.shape == (K, N) and int8.scales.shape == int8.zeros.shape == (3, 2, 32)
+    u8 = np.asarray(int8.panels).view(np.uint8).reshape(3, K // 4, 32, 4)  # [panel, k // 4, column, k % 4]
+    np.testing.assert_array_equal(u8[1, 5, 7, 2], int(q8[4 * 5 + 2, 32 + 7]) + 128)
+    np.testing.assert_array_equal(u8[1].transpose(0, 2, 1).reshape(K, 32), q8[:, 32:64].astype(np.int32) + 128)
+    np.testing.assert_array_equal(u8[2, :, 6:], 128)  # padding columns are q = 0
     np.testing.assert_array_equal(np.asarray(int8.scales)[2, :, 6:], 0)
     q = np.arange(K * N).reshape(K, N).astype(np.uint8) % 16
     s = np.ones((1, N), np.float32)
     int4 = native.pack_quantized(q, s, None, bits=4)
-    assert int4.format == "int4" and int4.panels.shape == (3, K, 16) and int4.zeros is None and int4.group == K
-    panels = np.asarray(int4.panels)
-    np.testing.assert_array_equal(panels[1, :, :] & 15, q[:, 32:48])  # byte j: column j in the low nibble,
-    np.testing.assert_array_equal(panels[1, :, :] >> 4, q[:, 48:64])  # column j + 16 in the high one
-    assert int4.nbytes == 3 * K * 16 + 3 * 32 * 4
+    assert int4.format == "int4" and int4.panels.shape == (3, K // 4, 64) and int4.zeros is None and int4.group == K
+    panels = np.asarray(int4.panels).reshape(3, K // 4, 16, 4)  # [panel, k // 4, j, k % 4]
+    byk = panels[1].transpose(0, 2, 1).reshape(K, 16)
+    np.testing.assert_array_equal(byk & 15, q[:, 32:48])  # byte [j, i]: column j in the low nibble,
+    np.testing.assert_array_equal(byk >> 4, q[:, 48:64])  # column j + 16 in the high one
+    assert int4.nbytes == 3 * K * 16 + 3 * 32 * 4 and int4.shape == (K, N)
     f32 = native.pack(np.zeros((K, N), np.float32))
     assert f32.format == "f32" and f32.group == 0
 
@@ -148,6 +243,12 @@ def test_validation():
         native.pack_quantized(q8, s, np.zeros((1, N), np.float32))
     with pytest.raises(ValueError, match="f32\\[M, 64\\]"):
         native.matmul(jnp.zeros((2, 64), jnp.bfloat16), native.pack_quantized(q8, s))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.pack_quantized(np.zeros((48, N), np.int8), np.ones((1, N), np.float32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.pack_quantized(np.zeros((96, N), np.int8), np.ones((12, N), np.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.quantize_activations(jnp.zeros((2, 48), jnp.float32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -163,8 +264,9 @@ def test_falls_back_to_xla_when_the_library_cannot_be_built(fmt, monkeypatch):
         x = np.random.default_rng(8).standard_normal((5, 64)).astype(np.float32)
         f = jax.jit(native.matmul)
         out = np.asarray(f(jnp.asarray(x), packed))
-        np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * 8)
-        np.testing.assert_array_equal(out, np.asarray(jax.jit(lambda a, b: a @ b)(jnp.asarray(x), jnp.asarray(w))))
+        np.testing.assert_allclose(out, _reference(x, fmt, w), rtol=1e-5, atol=1e-5 * 8)
+        xla = native.fake_quant_activations if fmt != "bf16" else jnp.asarray
+        np.testing.assert_array_equal(out, np.asarray(jax.jit(lambda a, b: xla(a) @ b)(jnp.asarray(x), jnp.asarray(w))))
         assert "custom_call" not in f.lower(jnp.asarray(x), packed).as_text()
     finally:
         monkeypatch.undo()
@@ -182,8 +284,8 @@ def _cpu_flags() -> set[str]:
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
 def test_portable_path_equals_avx512_path(tmp_path):
-    """kernel.cc built for x86-64-v3 (AVX2 + FMA, no AVX-512: the portable C++ loop, where the compiler may contract
-    a multiply and an add) gives the same bits as the library in use, for every format."""
+    """kernel.cc built for x86-64-v3 (AVX2 + FMA, no AVX-512: the portable C++ loops, integer sums and float
+    epilogue in the same order) gives the same bits as the library in use (AVX-512 + VNNI here), for every format."""
     import ctypes
     import subprocess
 

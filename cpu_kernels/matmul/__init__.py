@@ -7,18 +7,24 @@ the kernel's layout: panels of 32 columns, each a sequential stream over K, zero
     format  made by                                   panels                 dequantized w[k, n]
     f32     pack(w f32[K, N])                         f32[P, K, 32]          w
     bf16    pack(w bf16[K, N])                        bf16[P, K, 32]         the bf16 widened exactly
-    int8    pack_quantized(q int8, scales, zeros)     int8[P, K, 32]         q * scales[k // G, n] + zeros[k // G, n]
-    int4    pack_quantized(q 0..15, ..., bits=4)      uint8[P, K, 16]        the same, q 4-bit
+    int8    pack_quantized(q int8, scales, zeros)     int8[P, K / 4, 128]    q * scales[k // G, n] + zeros[k // G, n]
+    int4    pack_quantized(q 0..15, ..., bits=4)      uint8[P, K / 4, 64]    the same, q 4-bit
 
 P = ceil(N / 32). Scales and zeros (f32[K // G, N], groups of G along K; zeros None = none added) become f32[P, K // G,
-32]. A 4-bit k row stores its 32 columns in 16 bytes: byte j holds column j in the low nibble and column j + 16 in the
-high one. Dequantization is float32 arithmetic, the product rounded, then the sum (not an FMA).
+32]. The integer formats hold 4 consecutive k of a column together (vpdpbusd's 32-bit lanes): an int8 panel is
+[K / 4, 32 columns, 4 k] of the bytes of q + 128 (stored as int8 bits, read as uint8); a 4-bit panel is [K / 4, 16,
+4 k] bytes, byte [j, i] holding column j at k = 4 kq + i in its low nibble and column j + 16 in its high one. K must be
+a multiple of 32 and G of 16. Dequantization is float32 arithmetic, the product rounded, then the sum (not an FMA).
 
-`matmul(x, packed)` computes `x @ w` for x f32[M, K] with one `jax.ffi.ffi_call`; each output element is the same
-in-order FMA chain over K against the same dequantized weights whatever M is, so a row's result does not depend on
-its batch companions (and equals the f32 kernel's on `pack(unpack())`). Like the attention kernel, the library is
-built on first use (`cpu_kernels.build`) and `matmul` falls back to an XLA dot against `unpack()` (with one warning)
-when it cannot be built; `unpack()` is also the reference.
+`matmul(x, packed)` computes `x @ w` for x f32[M, K] with one `jax.ffi.ffi_call`.
+  * f32, bf16: each output element is an in-order FMA chain over K against the exact weights.
+  * int8, int4 (as llama.cpp does): x is quantized per row and block of 32 k to int8 with one f32 scale d per block
+    (`quantize_activations`), products are exact integer dot products (vpdpbusd), and scales are applied once per
+    block: y approximates `fake_quant_activations(x) @ unpack()`, float rounding aside.
+Each row is computed the same way whatever M is, so a row's result does not depend on its batch companions. Like the
+attention kernel, the library is built on first use (`cpu_kernels.build`) and `matmul` falls back to XLA (with one
+warning) when it cannot be built: `x @ unpack()` for the float formats, `fake_quant_activations(x) @ unpack()` for the
+integer ones (the kernel's semantics). `unpack()` is also the reference.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from cpu_kernels.build import build_library, load_cpu_target
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.cc")
 PANEL = 32  # columns per packed panel (kNr in kernel.cc)
+BLOCK = 32  # k per activation quantization block (kBlock in kernel.cc)
 # format -> (FFI target, handler symbol in kernel.cc)
 TARGETS = {"f32": ("jaxserve_matmul", "JaxserveMatmul"),
            "bf16": ("jaxserve_matmul_bf16", "JaxserveMatmulBf16"),
@@ -60,7 +67,7 @@ class PackedLinear:
     """A linear weight [K, N] in the native kernel's layout (module docstring). `n` (the true column count) and
     `group` (G, 0 for the float formats) are static; the format follows from the panels' dtype."""
 
-    panels: jax.Array  # f32 | bf16 | int8 [P, K, 32], or uint8 [P, K, 16] (int4: two columns per byte)
+    panels: jax.Array  # f32 | bf16 [P, K, 32], int8 [P, K / 4, 128] or uint8 [P, K / 4, 64] (int4)
     n: int = dataclasses.field(metadata=dict(static=True))
     scales: jax.Array | None = None  # f32[P, K // G, 32] (int8, int4)
     zeros: jax.Array | None = None  # f32[P, K // G, 32], or None: no zeros
@@ -73,7 +80,7 @@ class PackedLinear:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.panels.shape[1], self.n)
+        return (self.panels.shape[1] * (4 if self.scales is not None else 1), self.n)
 
     @property
     def nbytes(self) -> int:
@@ -82,9 +89,14 @@ class PackedLinear:
 
     def unpack(self) -> jax.Array:  # f32[K, N]
         """The dequantized weight, as the kernel computes it (traceable): the reference and the XLA fallback."""
-        P, K, _ = self.panels.shape
-        w = self.panels  # [P, K, 32 or 16]
-        if self.format == "int4":
+        K, _ = self.shape
+        P = self.panels.shape[0]
+        w = self.panels
+        if self.format == "int8":  # [P, K / 4, 32 columns, 4 k] bytes of q + 128 -> q [P, K, 32]
+            w = jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(P, K // 4, PANEL, 4)
+            w = jnp.swapaxes(w, 2, 3).reshape(P, K, PANEL).astype(jnp.int32) - 128
+        elif self.format == "int4":  # [P, K / 4, 16, 4 k] -> [P, K, 16] -> columns j (low), j + 16 (high)
+            w = jnp.swapaxes(w.reshape(P, K // 4, PANEL // 2, 4), 2, 3).reshape(P, K, PANEL // 2)
             w = jnp.concatenate([w & 15, w >> 4], axis=-1)  # [P, K, 32]
         w = w.astype(jnp.float32)
         if self.scales is not None:
@@ -137,30 +149,65 @@ def pack_quantized(q, scales, zeros=None, bits: int = 8) -> PackedLinear:
     if q.ndim != 2 or q.dtype != dtype:
         raise ValueError(f"pack_quantized(bits={bits}) takes q {np.dtype(dtype).name}[K, N] (got {q.shape} {q.dtype})")
     K, N = q.shape
+    if K % BLOCK:
+        raise ValueError(f"pack_quantized needs K a multiple of {BLOCK} (the activation block; got K = {K})")
     if bits == 4 and q.size and q.max() > 15:
         raise ValueError(f"4-bit values must be 0..15 (got {q.max()})")
     if scales.ndim != 2 or scales.dtype != np.float32 or scales.shape[1] != N or scales.shape[0] < 1 \
             or K % scales.shape[0]:
         raise ValueError(f"scales must be f32[K // G, {N}] with G dividing K = {K} (got {scales.shape} {scales.dtype})")
+    if (K // scales.shape[0]) % 16:
+        raise ValueError(f"the group G = K // scales.shape[0] must be a multiple of 16 (got {K // scales.shape[0]})")
     if zeros is not None:
         zeros = np.asarray(zeros)
         if zeros.shape != scales.shape or zeros.dtype != np.float32:
             raise ValueError(f"zeros must be f32{list(scales.shape)} like scales, or None (got {zeros.shape} "
                              f"{zeros.dtype})")
     panels = _panels(q)  # [P, K, 32]
-    if bits == 4:
-        panels = panels[..., :16] | (panels[..., 16:] << 4)  # byte j: column j low, column j + 16 high
+    P = panels.shape[0]
+    if bits == 8:  # the bytes of q + 128, [P, K / 4, 32 columns, 4 k]
+        panels = (panels.view(np.uint8) ^ 0x80).reshape(P, K // 4, 4, PANEL).transpose(0, 1, 3, 2)
+        panels = np.ascontiguousarray(panels).reshape(P, K // 4, 4 * PANEL).view(np.int8)
+    else:  # byte j: column j low, column j + 16 high; then [P, K / 4, 16, 4 k]
+        panels = panels[..., :16] | (panels[..., 16:] << 4)
+        panels = np.ascontiguousarray(panels.reshape(P, K // 4, 4, PANEL // 2).transpose(0, 1, 3, 2))
+        panels = panels.reshape(P, K // 4, 2 * PANEL)
     return PackedLinear(panels=jnp.asarray(panels), n=N, scales=jnp.asarray(_panels(scales)),
                         zeros=None if zeros is None else jnp.asarray(_panels(zeros)), group=K // scales.shape[0])
 
 
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x f32[M, K] (K a multiple of 32) -> (xq int8[M, K], d f32[M, K // 32]): per row and block of 32 k,
+    d = max|x| / 127 and xq = round_half_even(x / d) in [-127, 127] (x times the f32 reciprocal 1 / d; 0 where d = 0).
+    The very f32 operations of kernel.cc's QuantizeRow, so both agree bit for bit. Traceable."""
+    M, K = x.shape
+    if K % BLOCK:
+        raise ValueError(f"quantize_activations needs K a multiple of {BLOCK} (got x {x.shape})")
+    xb = x.reshape(M, K // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(xb), axis=-1)  # [M, K / 32]
+    # Divide by an array of 127s behind an optimization barrier: XLA:CPU turns a division by a (broadcast) scalar
+    # into a product with its reciprocal, which is not the same f32 result; the kernel divides.
+    d = amax / jax.lax.optimization_barrier(jnp.full_like(amax, 127))
+    inv = jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), 0).astype(jnp.float32)
+    xq = jnp.clip(jnp.round(xb * inv[..., None]), -127, 127).astype(jnp.int8)
+    return xq.reshape(M, K), d
+
+
+def fake_quant_activations(x: jax.Array) -> jax.Array:
+    """x f32[M, K] -> f32[M, K]: xq * d, the activations the integer formats multiply (`quantize_activations`)."""
+    M, K = x.shape
+    xq, d = quantize_activations(x)
+    return (xq.reshape(M, K // BLOCK, BLOCK).astype(jnp.float32) * d[..., None]).reshape(M, K)
+
+
 def matmul(x: jax.Array, w: PackedLinear) -> jax.Array:
-    """x: f32[M, K] @ w (packed [K, N], any format) -> f32[M, N]. Traceable."""
+    """x: f32[M, K] @ w (packed [K, N], any format) -> f32[M, N]; for int8 and int4, x quantized per block of 32
+    (module docstring). Traceable."""
     K, N = w.shape
     if x.ndim != 2 or x.shape[1] != K or x.dtype != jnp.float32:
         raise ValueError(f"matmul takes x f32[M, {K}] (got {x.shape} {x.dtype})")
     if not load():
-        return x @ w.unpack()
+        return (x if w.scales is None else fake_quant_activations(x)) @ w.unpack()
     call = jax.ffi.ffi_call(TARGETS[w.format][0], jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32),
                             vmap_method="sequential")
     if w.scales is None:

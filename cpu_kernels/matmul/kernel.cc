@@ -3,38 +3,45 @@
 //
 // Why not XLA's dot: a decode step multiplies a handful of rows (M = the batch) by every weight matrix, and XLA:CPU
 // reaches about a third of the machine's FMA peak at M = 16 on SmolLM2's shapes; at M = 1 the step is bound by the
-// bytes of weight it streams, so a weight in fewer bytes is a faster step. This is the plain register-blocked loop
-// that small M wants (the weights are read once per row block, from a layout made for it):
+// bytes of weight it streams, so a weight in fewer bytes is a faster step. W arrives pre-packed (`pack`,
+// `pack_quantized` in __init__.py) in panels of kNr = 32 columns, zero-padded past N, each panel one sequential
+// stream over K. Tasks are runs of panels on XLA's intra-op thread pool, handed out by an atomic counter; the calling
+// thread works too. Every y[m, n] is computed by the same sequence of float operations whatever M, the row block or
+// the thread: a row's result does not depend on what else is in the batch (batch invariance, bit for bit).
 //
-//   * W arrives pre-packed (`pack`, `pack_quantized` in __init__.py) in panels of kNr = 32 columns, zero-padded past
-//     N: [P = ceil(N / 32), K, row] where one k row of a panel holds the panel's 32 columns in
-//       f32   float[32]     (128 bytes)
-//       bf16  uint16[32]    ( 64 bytes; bf16 bits)
-//       int8  int8[32]      ( 32 bytes)
-//       int4  uint8[16]     ( 16 bytes; byte j = column j in its low nibble, column j + 16 in its high nibble)
-//     so a panel is one sequential stream. int8 and int4 also take scales and zeros f32[P, K / G, 32] (groups of G
-//     along K; no zeros = none added): w[k, n] = float(q[k, n]) * scale + zero, the product rounded to f32, then
-//     the sum (two roundings, not an FMA: the same values as the Python reference `PackedLinear.unpack`).
-//   * A task is a run of panels. For each panel and each block of up to kMr rows of x, the accumulators
-//     (rows x 2 vectors of 16) live in registers for the whole k loop: per k, the 32 weights are widened to f32 in
-//     two registers (and dequantized with the group's scales and zeros, also in registers), then one broadcast FMA
-//     pair per row. The panel stays in L2 between row blocks.
-//   * Every y[m, n] is the same sequential FMA chain over k = 0..K-1 from 0, against the same dequantized weights,
-//     whatever M, the row block or the thread: a row's result does not depend on what else is in the batch (batch
-//     invariance, bit for bit), and equals the f32 kernel's result on the unpacked weight.
-//   * Tasks run on XLA's intra-op thread pool, handed out by an atomic counter; the calling thread works too.
+// Float formats (f32, bf16): panels [P, K, 32] of float or bf16 bits. For each panel and each block of up to kMr
+// rows of x, the accumulators (rows x 2 vectors of 16) live in registers for the whole k loop: per k, the 32 weights
+// are widened to f32 in two registers, then one broadcast FMA pair per row (an in-order FMA chain over k).
 //
-// Measured and not kept: summing x * q over a group and applying the scale (and zero x the group's sum of x) once at
-// the group's end -- no faster at M = 1 (the stream, not the widening, is the limit on the logits' 576 x 49152),
-// up to 30% slower at M = 16 (a second set of accumulators halves the row block), and no longer the f32 kernel's
-// values. Not tried: vdpbf16ps for bf16, which needs x rounded to bf16 (errors ~1e-3 instead of ~1e-6; x split
-// into two bf16 halves takes as many instructions per weight as widening the weight does).
+// Integer formats (int8, int4), as llama.cpp does it: activations quantized per row and block of 32 k, integer dot
+// products with vpdpbusd (u8 x s8, four k per 32-bit lane), scales applied once per sub-block.
+//   * x is quantized once per call into scratch (`QuantizeRows`): per row m and block b of 32 k,
+//       d[m, b] = max|x| / 127,  xq[m, k] = clamp(round_half_even(x[m, k] * (d > 0 ? 1 / d : 0)), -127, 127)
+//     (true f32 divisions; `quantize_activations` in __init__.py is the same arithmetic in jnp).
+//   * Packed weights put 4 consecutive k of one column in each 32-bit lane, per panel [K / 4, 32 columns, 4 k]:
+//       int8  u8[K / 4][32][4]  (128 bytes per 4 k; q + 128, so vpdpbusd's unsigned operand; the offset is removed
+//                                exactly by starting the int32 sum at -128 * sum(xq) of the sub-block)
+//       int4  u8[K / 4][16][4]  ( 64 bytes per 4 k; byte [j][i]: column j, k = 4 kq + i in its low nibble, column
+//                                j + 16 in its high one: one 64-byte load, an and and a shift give both vectors)
+//     The activations' 4 bytes are a 32-bit broadcast.
+//   * Sub-blocks of S = 32 k (16 when G is not a multiple of 32) lie in one weight group and one activation block.
+//     Per sub-block j of group g and block b, the exact int32 sums isum[m, n] = sum_k q[k, n] xq[m, k] are folded
+//     into the f32 accumulator in this order (the same in the portable path, so the same bits):
+//       acc = fma(float(isum) * d[m, b], scale[g, n], acc)
+//       acc = fma(float(sum_k xq[m, k]) * d[m, b], zeros[g, n], acc)      (with zeros)
+//     so y approximates dequant(quant(x)) @ dequant(W), float rounding aside.
+//
+// Measured and not kept (the widening path, before the integer one): summing x * q over a group in f32 and applying
+// the scale once at the group's end -- no faster than dequantizing each weight. Not tried: vdpbf16ps for bf16, which
+// needs x rounded to bf16.
 //
 // Targets (inputs; the output is y f32[M, N], N its second dimension):
 //   JaxserveMatmul      x f32[M, K], w f32[P, K, 32]
 //   JaxserveMatmulBf16  x f32[M, K], w bf16[P, K, 32]
-//   JaxserveMatmulInt8  x f32[M, K], w s8[P, K, 32], scales f32[P, K / G, 32], zeros f32[P, K / G, 32] or f32[0]
-//   JaxserveMatmulInt4  x f32[M, K], w u8[P, K, 16], scales, zeros as for int8
+//   JaxserveMatmulInt8  x f32[M, K], w s8[P, K / 4, 128] (the bytes of q + 128), scales f32[P, K / G, 32],
+//                       zeros f32[P, K / G, 32] or f32[0]
+//   JaxserveMatmulInt4  x f32[M, K], w u8[P, K / 4, 64], scales, zeros as for int8
+// K must be a multiple of 32 for the integer formats and G a multiple of 16.
 
 #include <algorithm>
 #include <array>
@@ -57,7 +64,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kNr = 32;  // columns per packed panel
+constexpr int64_t kNr = 32;     // columns per packed panel
+constexpr int64_t kBlock = 32;  // k per activation quantization block (integer formats)
 constexpr int64_t kTargetTaskFlops = int64_t{1} << 21;  // ~25 us of work: enough to amortize a task hand-out
 
 struct Problem {
@@ -67,15 +75,22 @@ struct Problem {
   const float* zeros;   // f32[P, K / G, 32] or null (no zeros)
   float* y;             // f32[M, N]
   int64_t m, k, n, panels, group;  // group = K for the float formats
+  // Integer formats: x quantized (scratch filled by QuantizeRows), sub-blocks of `sub` (32 or 16) k.
+  const int8_t* xq = nullptr;   // s8[M, K]
+  const float* xd = nullptr;    // f32[M, K / 32]: the blocks' d
+  const int32_t* xoff = nullptr;  // s32[M, K / sub]: -128 * sum(xq) per sub-block (int8's offset), else 0
+  const float* xz = nullptr;    // f32[M, K / sub]: float(sum(xq)) * d per sub-block (for the zeros)
+  int64_t sub = kBlock;
 };
 
-// The formats: storage type, elements per k row of a panel, whether scales apply, and the widening of one k row to
-// 32 floats (two vectors: columns 0-15 and 16-31; `Value` is the scalar version for the portable path). kMr = rows
-// of x per register block: 2 kMr accumulators + 2 weight vectors (+ 4 scale/zero vectors) + a broadcast <= 32.
+// ---------------------------------------------------------------------------------------------------------------
+// Float formats: storage type, elements per k row of a panel, and the widening of one k row to 32 floats (two
+// vectors: columns 0-15 and 16-31; `Value` is the scalar version for the portable path). kMr = rows of x per
+// register block: 2 kMr accumulators + 2 weight vectors + a broadcast <= 32.
 struct F32 {
   using T = float;
   static constexpr int64_t kRow = 32, kMr = 12, kWidenFlops = 0;
-  static constexpr bool kQuant = false;
+  static constexpr bool kInt = false;
   static float Value(const T* w, int64_t j) { return w[j]; }
 #if defined(__AVX512F__)
   static void Widen(const T* w, __m512& lo, __m512& hi) {
@@ -88,7 +103,7 @@ struct F32 {
 struct Bf16 {  // a bf16 is the top half of an f32: shifting its bits left by 16 widens it exactly
   using T = uint16_t;
   static constexpr int64_t kRow = 32, kMr = 12, kWidenFlops = 2;
-  static constexpr bool kQuant = false;
+  static constexpr bool kInt = false;
   static float Value(const T* w, int64_t j) {
     const uint32_t bits = uint32_t{w[j]} << 16;
     float f;
@@ -106,65 +121,21 @@ struct Bf16 {  // a bf16 is the top half of an f32: shifting its bits left by 16
 #endif
 };
 
-struct Int8 {
-  using T = int8_t;
-  static constexpr int64_t kRow = 32, kMr = 12, kWidenFlops = 4;
-  static constexpr bool kQuant = true;
-  static float Value(const T* w, int64_t j) { return static_cast<float>(w[j]); }
 #if defined(__AVX512F__)
-  static void Widen(const T* w, __m512& lo, __m512& hi) {
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
-  }
-#endif
-};
-
-struct Int4 {  // byte j of a k row: column j in the low nibble, column j + 16 in the high nibble
-  using T = uint8_t;
-  static constexpr int64_t kRow = 16, kMr = 12, kWidenFlops = 4;
-  static constexpr bool kQuant = true;
-  static float Value(const T* w, int64_t j) { return static_cast<float>(j < 16 ? w[j] & 15 : w[j - 16] >> 4); }
-#if defined(__AVX512F__)
-  static void Widen(const T* w, __m512& lo, __m512& hi) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)w));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-  }
-#endif
-};
-
-#if defined(__AVX512F__)
-constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-
 // Rows [m0, m0 + R) x panel p. R is a compile-time constant so the accumulators are registers.
 template <class Fmt, bool kZeros, int R>
 void Block(const Problem& p, int64_t panel, int64_t m0) {
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  const int64_t groups = p.k / p.group;
   const typename Fmt::T* w = static_cast<const typename Fmt::T*>(p.w) + panel * p.k * Fmt::kRow;
-  const float* s = Fmt::kQuant ? p.scales + panel * groups * kNr : nullptr;
-  const float* z = kZeros ? p.zeros + panel * groups * kNr : nullptr;
   const float* x = p.x + m0 * p.k;
-  for (int64_t k0 = 0; k0 < p.k; k0 += p.group) {
-    __m512 s0, s1, z0, z1;  // this group's scales and zeros for the panel's 32 columns
-    if constexpr (Fmt::kQuant) {
-      s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16), s += kNr;
-    }
-    if constexpr (kZeros) {
-      z0 = _mm512_loadu_ps(z), z1 = _mm512_loadu_ps(z + 16), z += kNr;
-    }
-    for (int64_t k = k0; k < k0 + p.group; ++k, w += Fmt::kRow) {
-      __m512 b0, b1;
-      Fmt::Widen(w, b0, b1);
-      // Explicit rounding mode: the compiler may not contract these two into one FMA (one rounding, other values).
-      if constexpr (Fmt::kQuant) b0 = _mm512_mul_round_ps(b0, s0, kRound), b1 = _mm512_mul_round_ps(b1, s1, kRound);
-      if constexpr (kZeros) b0 = _mm512_add_round_ps(b0, z0, kRound), b1 = _mm512_add_round_ps(b1, z1, kRound);
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * p.k + k]);
-        acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
-      }
+  for (int64_t k = 0; k < p.k; ++k, w += Fmt::kRow) {
+    __m512 b0, b1;
+    Fmt::Widen(w, b0, b1);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * p.k + k]);
+      acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
     }
   }
   const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
@@ -185,40 +156,185 @@ void Block(const Problem& p, int64_t panel, int64_t m0) {
   }
 }
 #else
-// Portable version: the same dequantization and per-element FMA chain order (std::fma keeps one rounding per step,
-// like the vector FMA). A compiler may contract q * s + z into one FMA (GCC does, even across a detour through
-// double), so the product is formed as q * hi + q * lo, s = hi + lo split into 12-bit halves of its significand: both
-// products are exact in f32 (q has <= 8 bits), so their sum rounds once to q * s, FMA or not, and the sum with z
-// that follows adds an add's result, which cannot be contracted. (`PackedLinear.unpack` does the same in XLA.)
+// Portable version: the same per-element FMA chain order (std::fma keeps one rounding per step, like the vector FMA).
 template <class Fmt, bool kZeros, int R>
 void Block(const Problem& p, int64_t panel, int64_t m0) {
   float acc[R][kNr] = {};
-  const int64_t groups = p.k / p.group;
   const typename Fmt::T* w = static_cast<const typename Fmt::T*>(p.w) + panel * p.k * Fmt::kRow;
-  const float* s = Fmt::kQuant ? p.scales + panel * groups * kNr : nullptr;
-  const float* z = kZeros ? p.zeros + panel * groups * kNr : nullptr;
   const float* x = p.x + m0 * p.k;
-  for (int64_t k0 = 0; k0 < p.k; k0 += p.group) {
-    float hi[kNr], lo[kNr];  // this group's scales, split
-    if constexpr (Fmt::kQuant) {
-      for (int64_t j = 0; j < kNr; ++j, ++s) {
-        uint32_t bits;
-        std::memcpy(&bits, s, sizeof bits);
-        bits &= 0xFFFFF000u;
-        std::memcpy(&hi[j], &bits, sizeof bits);
-        lo[j] = *s - hi[j];
-      }
+  for (int64_t k = 0; k < p.k; ++k, w += Fmt::kRow) {
+    float b[kNr];
+    for (int64_t j = 0; j < kNr; ++j) b[j] = Fmt::Value(w, j);
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * p.k + k];
+      for (int64_t j = 0; j < kNr; ++j) acc[r][j] = std::fma(a, b[j], acc[r][j]);
     }
-    for (int64_t k = k0; k < k0 + p.group; ++k, w += Fmt::kRow) {
-      float b[kNr];
-      for (int64_t j = 0; j < kNr; ++j) {
-        b[j] = Fmt::Value(w, j);
-        if constexpr (Fmt::kQuant) b[j] = b[j] * hi[j] + b[j] * lo[j];
-        if constexpr (kZeros) b[j] = b[j] + z[j];
+  }
+  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
+  for (int r = 0; r < R; ++r) std::memcpy(p.y + (m0 + r) * p.n + n0, acc[r], cols * sizeof(float));
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// Integer formats. kQuad = bytes per 4 k of a panel; `Value(w, j, i)` = column j's unsigned weight byte at k = 4 kq
+// + i of the quad at w (portable path); `Load` gives the two u8 vectors (columns 0-15 and 16-31, 4 k per lane).
+// kMr = 6: 2 int32 + 2 f32 accumulators per row + 2 weights + scales and zeros + a broadcast <= 32 registers.
+struct Int8 {  // lane j of vector h: column 16 h + j, bytes = q + 128 at k = 4 kq .. 4 kq + 3
+  using T = int8_t;
+  static constexpr int64_t kQuad = 128, kMr = 6, kWidenFlops = 2;
+  static constexpr bool kInt = true, kOffset = true;
+  static int32_t Value(const uint8_t* w, int64_t j, int64_t i) { return w[4 * j + i]; }
+#if defined(__AVX512VNNI__)
+  static void Load(const uint8_t* w, __m512i& lo, __m512i& hi) {
+    lo = _mm512_loadu_si512(w);
+    hi = _mm512_loadu_si512(w + 64);
+  }
+#endif
+};
+
+struct Int4 {  // byte [j][i]: column j (k = 4 kq + i) in the low nibble, column j + 16 in the high nibble
+  using T = uint8_t;
+  static constexpr int64_t kQuad = 64, kMr = 6, kWidenFlops = 3;
+  static constexpr bool kInt = true, kOffset = false;
+  static int32_t Value(const uint8_t* w, int64_t j, int64_t i) {
+    return j < 16 ? w[4 * j + i] & 15 : w[4 * (j - 16) + i] >> 4;
+  }
+#if defined(__AVX512VNNI__)
+  static void Load(const uint8_t* w, __m512i& lo, __m512i& hi) {
+    const __m512i v = _mm512_loadu_si512(w), mask = _mm512_set1_epi8(15);
+    lo = _mm512_and_si512(v, mask);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+#endif
+};
+
+// One row of x [K] -> xq [K], d [K / 32], and per sub-block of `sub` k: off = -128 * sum(xq) (or 0 without the int8
+// offset) and zx = float(sum(xq)) * d. Every operation is exact or one correctly rounded f32 operation, so the
+// vector and portable versions agree bit for bit (and with `quantize_activations`).
+void QuantizeRow(const float* x, int64_t k, int64_t sub, bool offset, int8_t* xq, float* d, int32_t* off,
+                 float* zx) {
+  for (int64_t b = 0; b < k / kBlock; ++b, x += kBlock, xq += kBlock) {
+    int32_t sums[2];  // sum(xq) over each half (16 k) of the block
+#if defined(__AVX512F__)
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float db = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(db > 0 ? 1.0f / db : 0.0f);
+    const __m512i lim = _mm512_set1_epi32(127);
+    const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, inv),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+    const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, inv),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+    _mm_storeu_si128((__m128i*)xq, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(xq + 16), _mm512_cvtepi32_epi8(q1));
+    sums[0] = _mm512_reduce_add_epi32(q0), sums[1] = _mm512_reduce_add_epi32(q1);
+#else
+    float amax = 0;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float db = amax / 127.0f;
+    const float inv = db > 0 ? 1.0f / db : 0.0f;
+    sums[0] = sums[1] = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float v = std::nearbyint(x[i] * inv);  // the default rounding mode: to nearest, ties to even
+      const int32_t q = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+      xq[i] = static_cast<int8_t>(q);
+      sums[i / 16] += q;
+    }
+#endif
+    d[b] = db;
+    for (int64_t h = 0; h < kBlock / sub; ++h) {
+      const int32_t s = sub == kBlock ? sums[0] + sums[1] : sums[h];
+      *off++ = offset ? -128 * s : 0;
+      *zx++ = static_cast<float>(s) * db;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// Rows [m0, m0 + R) x panel p, sub-blocks of kSub k (a constant: the k loop unrolls, the accumulators stay put).
+template <class Fmt, bool kZeros, int64_t kSub, int R>
+void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const int64_t groups = p.k / p.group, subs = p.group / kSub, nsub = p.k / kSub, nblk = p.k / kBlock;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + panel * (p.k / 4) * Fmt::kQuad;
+  const float* s = p.scales + panel * groups * kNr;
+  const float* z = kZeros ? p.zeros + panel * groups * kNr : nullptr;
+  for (int64_t g = 0, sb = 0; g < groups; ++g, s += kNr) {
+    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+    __m512 z0, z1;
+    if constexpr (kZeros) z0 = _mm512_loadu_ps(z), z1 = _mm512_loadu_ps(z + 16), z += kNr;
+    for (int64_t j = 0; j < subs; ++j, ++sb) {
+      const int64_t k0 = sb * kSub;
+      __m512i i0[R], i1[R];
+      for (int r = 0; r < R; ++r) {
+        i0[r] = i1[r] = Fmt::kOffset ? _mm512_set1_epi32(p.xoff[(m0 + r) * nsub + sb]) : _mm512_setzero_si512();
+      }
+      const int8_t* xq = p.xq + m0 * p.k + k0;
+#pragma GCC unroll 8
+      for (int64_t kq = 0; kq < kSub; kq += 4, w += Fmt::kQuad) {
+        __m512i b0, b1;
+        Fmt::Load(w, b0, b1);
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xq + r * p.k + kq, sizeof four);
+          const __m512i a = _mm512_set1_epi32(four);
+          i0[r] = _mm512_dpbusd_epi32(i0[r], b0, a);
+          i1[r] = _mm512_dpbusd_epi32(i1[r], b1, a);
+        }
       }
       for (int r = 0; r < R; ++r) {
-        const float a = x[r * p.k + k];
-        for (int64_t j = 0; j < kNr; ++j) acc[r][j] = std::fma(a, b[j], acc[r][j]);
+        const __m512 dx = _mm512_set1_ps(p.xd[(m0 + r) * nblk + k0 / kBlock]);
+        acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i0[r]), dx), s0, acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i1[r]), dx), s1, acc1[r]);
+        if constexpr (kZeros) {
+          const __m512 zx = _mm512_set1_ps(p.xz[(m0 + r) * nsub + sb]);
+          acc0[r] = _mm512_fmadd_ps(zx, z0, acc0[r]);
+          acc1[r] = _mm512_fmadd_ps(zx, z1, acc1[r]);
+        }
+      }
+    }
+  }
+  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
+  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 hi = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    _mm512_mask_storeu_ps(y, lo, acc0[r]);
+    _mm512_mask_storeu_ps(y + 16, hi, acc1[r]);
+  }
+}
+#else
+// Portable version: the same exact integer sums and the same float operations in the same order.
+template <class Fmt, bool kZeros, int64_t kSub, int R>
+void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
+  float acc[R][kNr] = {};
+  const int64_t groups = p.k / p.group, subs = p.group / kSub, nsub = p.k / kSub, nblk = p.k / kBlock;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + panel * (p.k / 4) * Fmt::kQuad;
+  const float* s = p.scales + panel * groups * kNr;
+  const float* z = kZeros ? p.zeros + panel * groups * kNr : nullptr;
+  for (int64_t g = 0, sb = 0; g < groups; ++g, s += kNr) {
+    for (int64_t j = 0; j < subs; ++j, ++sb) {
+      const int64_t k0 = sb * kSub;
+      int32_t isum[R][kNr];
+      for (int r = 0; r < R; ++r) {
+        for (int64_t c = 0; c < kNr; ++c) isum[r][c] = p.xoff[(m0 + r) * nsub + sb];
+      }
+      for (int64_t kq = 0; kq < kSub; kq += 4, w += Fmt::kQuad) {
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = p.xq + (m0 + r) * p.k + k0 + kq;
+          for (int64_t c = 0; c < kNr; ++c) {
+            for (int64_t i = 0; i < 4; ++i) isum[r][c] += Fmt::Value(w, c, i) * int32_t{xq[i]};
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float dx = p.xd[(m0 + r) * nblk + k0 / kBlock];
+        for (int64_t c = 0; c < kNr; ++c) {
+          const float t = static_cast<float>(isum[r][c]) * dx;
+          acc[r][c] = std::fma(t, s[c], acc[r][c]);
+          if constexpr (kZeros) acc[r][c] = std::fma(p.xz[(m0 + r) * nsub + sb], z[c], acc[r][c]);
+        }
       }
     }
     if constexpr (kZeros) z += kNr;
@@ -230,15 +346,20 @@ void Block(const Problem& p, int64_t panel, int64_t m0) {
 
 using BlockFn = void (*)(const Problem&, int64_t, int64_t);
 
-template <class Fmt, bool kZeros, int... Rs>
+template <class Fmt, bool kZeros, int64_t kSub, int... Rs>
 constexpr auto MakeBlockTable(std::integer_sequence<int, Rs...>) {
-  return std::array<BlockFn, sizeof...(Rs)>{&Block<Fmt, kZeros, Rs + 1>...};
+  if constexpr (Fmt::kInt) {
+    return std::array<BlockFn, sizeof...(Rs)>{&IntBlock<Fmt, kZeros, kSub, Rs + 1>...};
+  } else {
+    return std::array<BlockFn, sizeof...(Rs)>{&Block<Fmt, kZeros, Rs + 1>...};
+  }
 }
 
-template <class Fmt, bool kZeros>
+// kSub: the integer formats' sub-block (32, or 16 when G is not a multiple of 32); unused by the float formats.
+template <class Fmt, bool kZeros, int64_t kSub = kBlock>
 void Panels(const Problem& p, int64_t begin, int64_t end) {
   static constexpr auto blocks_of =
-      MakeBlockTable<Fmt, kZeros>(std::make_integer_sequence<int, static_cast<int>(Fmt::kMr)>{});
+      MakeBlockTable<Fmt, kZeros, kSub>(std::make_integer_sequence<int, static_cast<int>(Fmt::kMr)>{});
   for (int64_t panel = begin; panel < end; ++panel) {
     // Row blocks of near-equal size (16 rows: 8 + 8, not 12 + 4): a short block has too few accumulators to hide
     // the FMA latency.
@@ -277,23 +398,34 @@ struct Shared {
 
 using Dims = ffi::Span<const int64_t>;
 
-// Checks the shapes common to every format (x [M, K], w [P, K, row], y [M, N]) and, for the quantized formats, the
-// scales [P, K / G, 32] and zeros (the same shape, or empty for none); fills `p`'s sizes.
+// Checks the shapes (float formats: x [M, K], w [P, K, 32], y [M, N]; integer formats: w [P, K / 4, kQuad] and the
+// scales [P, K / G, 32] and zeros, the same shape or empty for none) and fills `p`'s sizes.
 template <class Fmt>
 ffi::Error Shapes(Dims xd, Dims wd, Dims yd, Dims sd, Dims zd, bool has_zeros, Problem& p) {
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != Fmt::kRow) {
-    return ffi::Error::InvalidArgument("matmul: expected x f32[M, K], w [P, K, row] (row 32, or 16 for int4), y "
-                                       "f32[M, N]");
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("matmul: expected x f32[M, K], w [P, K, 32] (f32, bf16) or [P, K / 4, 128 "
+                                       "(int8) or 64 (int4)], y f32[M, N]");
   }
   p.m = xd[0], p.k = xd[1], p.n = yd[1], p.panels = wd[0], p.group = p.k;
-  if (wd[1] != p.k || yd[0] != p.m || wd[0] != (p.n + kNr - 1) / kNr) {
-    return ffi::Error::InvalidArgument("matmul: shapes disagree (need w [ceil(N/32), K, row] and y [M, N])");
+  if constexpr (Fmt::kInt) {
+    if (wd[2] != Fmt::kQuad || wd[1] * 4 != p.k || p.k % kBlock != 0) {
+      return ffi::Error::InvalidArgument("matmul: expected w [P, K / 4, 128 (int8) or 64 (int4)] with K a multiple "
+                                         "of 32");
+    }
+  } else if (wd[2] != kNr || wd[1] != p.k) {
+    return ffi::Error::InvalidArgument("matmul: expected w [P, K, 32] for f32 and bf16");
   }
-  if constexpr (Fmt::kQuant) {
-    if (sd.size() != 3 || sd[0] != p.panels || sd[1] < 1 || p.k % sd[1] != 0 || sd[2] != kNr) {
-      return ffi::Error::InvalidArgument("matmul: expected scales f32[P, K / G, 32] with G dividing K");
+  if (yd[0] != p.m || wd[0] != (p.n + kNr - 1) / kNr) {
+    return ffi::Error::InvalidArgument("matmul: shapes disagree (need P = ceil(N / 32) panels and y [M, N])");
+  }
+  if constexpr (Fmt::kInt) {
+    if (sd.size() != 3 || sd[0] != p.panels || sd[1] < 1 || p.k % sd[1] != 0 || sd[2] != kNr ||
+        (p.k / sd[1]) % 16 != 0) {
+      return ffi::Error::InvalidArgument("matmul: expected scales f32[P, K / G, 32] with G a multiple of 16 dividing "
+                                         "K");
     }
     p.group = p.k / sd[1];
+    p.sub = p.group % kBlock == 0 ? kBlock : 16;
     if (has_zeros && !(zd == sd)) {
       return ffi::Error::InvalidArgument("matmul: zeros must have the shape of scales (or be f32[0] for none)");
     }
@@ -301,7 +433,9 @@ ffi::Error Shapes(Dims xd, Dims wd, Dims yd, Dims sd, Dims zd, bool has_zeros, P
   return ffi::Error::Success();
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int64_t widen_flops) {
+// `mac_flops`: cost of one multiply-add per weight and row (2 for an f32 FMA; less for vpdpbusd's 4-way products);
+// `widen_flops`: cost per weight of widening or unpacking it.
+ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int64_t mac_flops, int64_t widen_flops) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.k == 0) {
     std::memset(p.y, 0, p.m * p.n * sizeof(float));
@@ -310,8 +444,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int6
   auto shared = std::make_shared<Shared>();
   shared->p = p;
   shared->panels_fn = panels_fn;
-  // Widening counts as `widen_flops` per weight, on top of the 2 M FMA flops.
-  const int64_t panel_flops = (2 * p.m + widen_flops) * p.k * kNr;
+  const int64_t panel_flops = (mac_flops * p.m + widen_flops) * p.k * kNr;
   // Tasks of about kTargetTaskFlops: a small product is one task on the calling thread (no hand-off at all). A
   // larger one gets a multiple of `workers` near-equal tasks, run by the caller and workers - 1 helpers (one thread
   // per pool thread: 3 tasks on 2 cores, or 3 threads on 2 cores, leave one core idle for a third of the time).
@@ -340,7 +473,7 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (auto e = Shapes<Fmt>(x.dimensions(), w.dimensions(), y->dimensions(), {}, {}, false, p); e.failure()) {
     return e;
   }
-  return Run(pool, p, &Panels<Fmt, false>, Fmt::kWidenFlops);
+  return Run(pool, p, &Panels<Fmt, false>, 2, Fmt::kWidenFlops);
 }
 
 template <class Fmt, ffi::DataType kType>
@@ -355,7 +488,20 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       e.failure()) {
     return e;
   }
-  return Run(pool, p, has_zeros ? &Panels<Fmt, true> : &Panels<Fmt, false>, Fmt::kWidenFlops);
+  // x quantized once per call (on the calling thread: ~M K / 16 vector steps, small next to the product).
+  const int64_t nblk = p.k / kBlock, nsub = p.k / p.sub;
+  std::unique_ptr<int8_t[]> xq(new int8_t[p.m * p.k]);
+  std::unique_ptr<float[]> xd(new float[p.m * nblk]), xz(new float[p.m * nsub]);
+  std::unique_ptr<int32_t[]> xoff(new int32_t[p.m * nsub]);
+  for (int64_t m = 0; m < p.m; ++m) {
+    QuantizeRow(p.x + m * p.k, p.k, p.sub, Fmt::kOffset, xq.get() + m * p.k, xd.get() + m * nblk,
+                xoff.get() + m * nsub, xz.get() + m * nsub);
+  }
+  p.xq = xq.get(), p.xd = xd.get(), p.xoff = xoff.get(), p.xz = xz.get();
+  // vpdpbusd: 64 multiply-adds per instruction (4 per f32 FMA lane), plus a per-sub-block epilogue.
+  const PanelsFn panels_fn = p.sub == kBlock ? (has_zeros ? &Panels<Fmt, true, kBlock> : &Panels<Fmt, false, kBlock>)
+                                             : (has_zeros ? &Panels<Fmt, true, 16> : &Panels<Fmt, false, 16>);
+  return Run(pool, p, panels_fn, 1, Fmt::kWidenFlops);
 }
 
 }  // namespace
