@@ -53,6 +53,7 @@
 #include <memory>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -266,27 +267,38 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
     if constexpr (kZeros) z0 = _mm512_loadu_ps(z), z1 = _mm512_loadu_ps(z + 16), z += kNr;
     for (int64_t j = 0; j < subs; ++j, ++sb) {
       const int64_t k0 = sb * kSub;
-      __m512i i0[R], i1[R];
+      // int32 sums; with few rows, even and odd quads go to separate sums (kChains), added at the end (exact):
+      // more independent vpdpbusd chains to cover their latency.
+      constexpr int kChains = R <= 2 ? 2 : 1;
+      __m512i i0[kChains][R], i1[kChains][R];
       for (int r = 0; r < R; ++r) {
-        i0[r] = i1[r] = Fmt::kOffset ? _mm512_set1_epi32(p.xoff[(m0 + r) * nsub + sb]) : _mm512_setzero_si512();
+        i0[0][r] = i1[0][r] = Fmt::kOffset ? _mm512_set1_epi32(p.xoff[(m0 + r) * nsub + sb]) : _mm512_setzero_si512();
+        for (int c = 1; c < kChains; ++c) i0[c][r] = i1[c][r] = _mm512_setzero_si512();
       }
       const int8_t* xq = p.xq + m0 * p.k + k0;
 #pragma GCC unroll 8
       for (int64_t kq = 0; kq < kSub; kq += 4, w += Fmt::kQuad) {
         __m512i b0, b1;
         Fmt::Load(w, b0, b1);
+        const int c = (kq / 4) % kChains;
         for (int r = 0; r < R; ++r) {
           int32_t four;
           std::memcpy(&four, xq + r * p.k + kq, sizeof four);
           const __m512i a = _mm512_set1_epi32(four);
-          i0[r] = _mm512_dpbusd_epi32(i0[r], b0, a);
-          i1[r] = _mm512_dpbusd_epi32(i1[r], b1, a);
+          i0[c][r] = _mm512_dpbusd_epi32(i0[c][r], b0, a);
+          i1[c][r] = _mm512_dpbusd_epi32(i1[c][r], b1, a);
+        }
+      }
+      for (int c = 1; c < kChains; ++c) {
+        for (int r = 0; r < R; ++r) {
+          i0[0][r] = _mm512_add_epi32(i0[0][r], i0[c][r]);
+          i1[0][r] = _mm512_add_epi32(i1[0][r], i1[c][r]);
         }
       }
       for (int r = 0; r < R; ++r) {
         const __m512 dx = _mm512_set1_ps(p.xd[(m0 + r) * nblk + k0 / kBlock]);
-        acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i0[r]), dx), s0, acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i1[r]), dx), s1, acc1[r]);
+        acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i0[0][r]), dx), s0, acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i1[0][r]), dx), s1, acc1[r]);
         if constexpr (kZeros) {
           const __m512 zx = _mm512_set1_ps(p.xz[(m0 + r) * nsub + sb]);
           acc0[r] = _mm512_fmadd_ps(zx, z0, acc0[r]);
@@ -488,16 +500,22 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       e.failure()) {
     return e;
   }
-  // x quantized once per call (on the calling thread: ~M K / 16 vector steps, small next to the product).
+  // x quantized once per call (on the calling thread: ~M K / 16 vector steps, small next to the product), into
+  // this thread's scratch (kept between calls: no allocation per call at decode): xq s8[M, K], then 4-byte arrays
+  // d f32[M, K / 32], off s32[M, K / sub], zx f32[M, K / sub].
   const int64_t nblk = p.k / kBlock, nsub = p.k / p.sub;
-  std::unique_ptr<int8_t[]> xq(new int8_t[p.m * p.k]);
-  std::unique_ptr<float[]> xd(new float[p.m * nblk]), xz(new float[p.m * nsub]);
-  std::unique_ptr<int32_t[]> xoff(new int32_t[p.m * nsub]);
+  thread_local std::vector<int32_t> scratch;
+  const size_t words = static_cast<size_t>((p.m * p.k + 3) / 4 + p.m * (nblk + 2 * nsub));
+  if (scratch.size() < words) scratch.resize(words);
+  int8_t* xq = reinterpret_cast<int8_t*>(scratch.data());
+  float* xd = reinterpret_cast<float*>(scratch.data() + (p.m * p.k + 3) / 4);
+  int32_t* xoff = reinterpret_cast<int32_t*>(xd + p.m * nblk);
+  float* xz = reinterpret_cast<float*>(xoff + p.m * nsub);
   for (int64_t m = 0; m < p.m; ++m) {
-    QuantizeRow(p.x + m * p.k, p.k, p.sub, Fmt::kOffset, xq.get() + m * p.k, xd.get() + m * nblk,
-                xoff.get() + m * nsub, xz.get() + m * nsub);
+    QuantizeRow(p.x + m * p.k, p.k, p.sub, Fmt::kOffset, xq + m * p.k, xd + m * nblk, xoff + m * nsub,
+                xz + m * nsub);
   }
-  p.xq = xq.get(), p.xd = xd.get(), p.xoff = xoff.get(), p.xz = xz.get();
+  p.xq = xq, p.xd = xd, p.xoff = xoff, p.xz = xz;
   // vpdpbusd: 64 multiply-adds per instruction (4 per f32 FMA lane), plus a per-sub-block epilogue.
   const PanelsFn panels_fn = p.sub == kBlock ? (has_zeros ? &Panels<Fmt, true, kBlock> : &Panels<Fmt, false, kBlock>)
                                              : (has_zeros ? &Panels<Fmt, true, 16> : &Panels<Fmt, false, 16>);
