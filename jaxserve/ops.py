@@ -222,6 +222,8 @@ def linear(x: jax.Array, w) -> jax.Array:
     if isinstance(w, QuantizedLinear):
         if w.kernel == "pallas" and _quant_matmul.unsupported_reason(x, w.q, w.scales, bits=w.bits) is None:
             return _quant_matmul.quant_matmul(x, w.q, w.scales, w.zeros, bits=w.bits)
+        if w.kernel == "xla-q8":  # what the native CPU kernel computes: activations rounded to int8 per 32 inputs
+            x = _cpu_matmul.fake_quant_activations(x)
         if w.scales.shape[-2] == 1 and w.zeros is None and w.bits == 8:
             # one scale per output channel: scale the product, so the dot reads the int8 weight itself (XLA's GPU
             # compiler fuses the convert into the GEMM; a scaled operand would be written out as a whole bf16 copy)

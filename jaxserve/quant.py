@@ -55,7 +55,9 @@ class QuantizedLinear:
     scales: jax.Array  # f32 [..., K // G, N]
     zeros: jax.Array | None  # f32 [..., K // G, N]; None = 0
     bits: int = dataclasses.field(metadata=dict(static=True))
-    # what `ops.linear` runs: "xla" (dequantize, then XLA's dot) or "pallas" (the GPU kernel, `ops.Backends.matmul`)
+    # what `ops.linear` runs (set when the runner places the weights, from `ops.Backends.matmul`): "xla" (dequantize,
+    # then XLA's dot), "xla-q8" (the same after rounding the activations to int8 per block of 32: the CPU's
+    # semantics, those of the native kernel, as in llama.cpp) or "pallas" (the GPU kernel)
     kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
     @property
@@ -288,7 +290,7 @@ def linear_bytes(weights) -> int:
 
 
 def with_kernel(weights, kernel: str):
-    """`weights` with every QuantizedLinear marked to run on `kernel` ("xla" | "pallas")."""
+    """`weights` with every QuantizedLinear marked to run on `kernel` ("xla" | "xla-q8" | "pallas")."""
     return jax.tree.map(lambda w: dataclasses.replace(w, kernel=kernel) if isinstance(w, QuantizedLinear) else w,
                         weights, is_leaf=lambda w: isinstance(w, QuantizedLinear))
 

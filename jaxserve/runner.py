@@ -127,6 +127,8 @@ class ModelRunner:
             host_weights = pack_linear_weights(host_weights)
         elif self.backends.matmul == "pallas":
             host_weights = quant.with_kernel(host_weights, "pallas")
+        elif jax.default_backend() == "cpu":  # XLA dots with the native kernel's semantics (tp, or no g++)
+            host_weights = quant.with_kernel(host_weights, "xla-q8")
         self.mesh = mesh if mesh is not None else self.backends.mesh  # weights and KV placed by logical axes
         self.first_stage = first_stage
         self.last_stage = host_weights.final_norm is not None

@@ -41,15 +41,18 @@ def float_logprobs(tiny):
 
 @pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
 def test_native_matmul_equals_xla_reference_and_is_batch_invariant(tiny, float_logprobs, scheme):
-    """The native kernel over packed quantized weights gives the XLA reference's tokens (logprobs within 1e-4), and
-    each request's tokens are the same alone as among arrivals at every step."""
+    """The native kernel over packed quantized weights gives the XLA reference's tokens (the same semantics: for
+    int8 / 4-bit, activations rounded to int8 per block of 32), and each request's tokens are the same alone as
+    among arrivals at every step."""
     prompts = _prompts(5)
     native = LLM(tiny, quantization=scheme, **KW)
     assert native.llm_engine.runner.backends.matmul == "native"
     xla = LLM(tiny, quantization=scheme, matmul_backend="xla", **KW)
     (nt, nl), (xt, xl) = _run(native, prompts), _run(xla, prompts)
     assert nt == xt
-    np.testing.assert_allclose(np.concatenate(nl), np.concatenate(xl), atol=1e-4)
+    # int8 / 4-bit round activations to int8: a float-rounding difference upstream can move one across a rounding
+    # boundary, which moves a logprob by ~5e-4; bf16 keeps float activations
+    np.testing.assert_allclose(np.concatenate(nl), np.concatenate(xl), atol=1e-4 if scheme == "bf16" else 2e-3)
     alone = [_run(native, [p])[0][0] for p in prompts]
     assert alone == nt
     assert generate_busy(native.llm_engine, prompts, GREEDY) == nt
@@ -113,17 +116,43 @@ def test_parallel_meshes_over_quantized_weights_equal_one_device(tmp_path):
 
 
 def test_default_model_served_from_its_blocks():
-    """The shipped Q4_1 GGUF runs on its 4-bit and int8 blocks by default; the native kernels give the XLA
-    reference's greedy tokens on a chat prompt, and the same tokens as the float32 widening of the same file."""
-    prompts = [[{"role": "user", "content": "What is the capital of France?"}],
-               [{"role": "user", "content": "Write a haiku about the sea."}]]
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
-    runs = {}
-    for name, kw in {"gguf": {}, "gguf-xla": dict(matmul_backend="xla"), "none": dict(quantization="none")}.items():
-        llm = LLM(max_model_len=256, precompile=False, **kw)
-        assert llm.llm_engine.config.quantization == ("none" if name == "none" else "gguf")
-        outs = llm.chat(prompts, params, use_tqdm=False)
-        runs[name] = ([o.outputs[0].token_ids for o in outs],
-                      [lp[t].logprob for o in outs for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-    assert runs["gguf"][0] == runs["gguf-xla"][0] == runs["none"][0]
-    np.testing.assert_allclose(runs["gguf"][1], runs["gguf-xla"][1], atol=1e-4)
+    """The shipped Q4_1 GGUF runs on its 4-bit and int8 blocks by default. Every linear map of a layer and the
+    logits projection give, on the native kernels, the XLA reference of the same semantics (activations rounded to
+    int8 per block of 32, as llama.cpp does) within float rounding; and the model's perplexity stays within 3% of
+    the float32 widening of the same file. (Whole-model token equality between the two paths is not a property: one
+    float-rounding difference can move an activation across an int8 rounding boundary, and 30 layers amplify it.)"""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve import ops, quant
+    from jaxserve.loader import load_checkpoint
+    from jaxserve.loader.weights import to_weights
+
+    ck = load_checkpoint(None, None)
+    w = to_weights(ck.config, ck.tensors, np.float32, ck.path, ck.quantization)
+    rng = np.random.default_rng(0)
+    maps = {f: jax.tree.map(lambda a: a[29], getattr(w.layers, f)) for f in ("wq", "wk", "wv", "wo", "w_gate",
+                                                                              "w_up", "w_down")}
+    for name, lin in (maps | {"lm_head": w.lm_head}).items():
+        assert isinstance(lin, quant.QuantizedLinear), name
+        x = jnp.asarray(rng.normal(0, 1, (5, lin.shape[0])).astype(np.float32))
+        native = np.asarray(ops.linear(x, ops.pack_linear(lin)))
+        ref = np.asarray(ops.linear(x, dataclasses.replace(jax.tree.map(jnp.asarray, lin), kernel="xla-q8")))
+        np.testing.assert_allclose(native, ref, atol=1e-5 * np.abs(ref).max(), err_msg=name)
+
+    # the quality gate, small: perplexity of ShareGPT text within 3% of the float32 widening of the same file
+    # (measured +1.3% on 24 samples; docs/benchmarks/weight_quant.md has the full gate beside llama.cpp)
+    from jaxserve.datasets.sharegpt import sample_requests
+
+    samples = [r.prompt_token_ids[:160] for r in sample_requests(ck.tokenizer, 8, seed=1)]
+    ppl = {}
+    for scheme in ("gguf", "none"):
+        llm = LLM(quantization=scheme, max_model_len=256, precompile=False)
+        outs = llm.generate([{"prompt_token_ids": t} for t in samples], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)
+        nll = [-lp[t].logprob for o, s in zip(outs, samples) for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
+        ppl[scheme] = float(np.exp(np.mean(nll)))
+    assert ppl["gguf"] != ppl["none"]
+    assert ppl["gguf"] < 1.03 * ppl["none"], ppl
