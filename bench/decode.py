@@ -545,7 +545,8 @@ def report_schemes(rec: dict) -> str:
           "native kernel's panels, scales, zeros, padding); llama.cpp's: its file's 2-D tensors, f16 KV.", "",
           "llama.cpp: llama-cpp-python's low-level loop (`LlamaCppLoop`: one context with a sequence slot per "
           f"prompt, one `llama_decode` per step for every sequence, greedy argmax in numpy), {env['cpu_count']} "
-          "threads, flash attention off, at batch 1 too. Files: "
+          "threads, flash attention off, at batch 1 too (HF and vLLM have no quantized twin here and are not run in "
+          "this mode). Files: "
           + "; ".join(f"{v} = {x['file']} ({', '.join(f'{t} x {c}' for t, c in x['types'].items())})"
                       for v, x in g.items()) + ".", ""]
     md += [f"- {why}" for why in rec["skipped"].values()] + ([""] if rec["skipped"] else [])

@@ -381,7 +381,7 @@ def report(rec: dict) -> str:
           "Excess rise = (our mean NLL - float32's) - (llama.cpp's - F16's) against the llama.cpp file in the row; "
           "flag = its 95% paired bootstrap interval (resampling conversations) lies above 0, i.e. jaxserve lost more "
           "than llama.cpp at that format beyond noise.", ""]
-    md += [f"**Flagged:** {', '.join(flagged)} (see the notes below)." if flagged else
+    md += [f"**Flagged:** {', '.join(flagged)}." if flagged else
            "No jaxserve scheme lost more than llama.cpp at its matched format beyond noise.", ""]
     if lc:
         md += ["llama.cpp, every file (llama-cpp-python, `logits_all=True`, float64 log-softmax in numpy):", "",
