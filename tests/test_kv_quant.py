@@ -36,7 +36,7 @@ REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def _engine(kv_cache_dtype: str, budget: int) -> LLM:
     return LLM(
         max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=64, precompile=False,
-        kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget,
+        kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget, quantization="none",  # KV effects alone
     )
 
 

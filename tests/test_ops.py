@@ -99,10 +99,12 @@ def test_default_for_callers_without_an_engine(no_backend_env):
 
 
 def test_resolve_on_a_gpu(no_backend_env):
-    """What a GPU process resolves to (jax.default_backend faked): Pallas attention, XLA dots; native raises."""
+    """What a GPU process resolves to (jax.default_backend faked): Pallas attention, the Pallas matmul for group-wise
+    quantized weights (XLA dots for the rest), XLA dots when asked; native raises."""
     no_backend_env.setattr(jax, "default_backend", lambda: "gpu")
     assert ops.resolve_backends(EngineConfig(), "bfloat16", scan_layers=True) == ops.Backends(attention="pallas",
-                                                                                              matmul="xla")
+                                                                                              matmul="pallas")
+    assert ops.resolve_backends(EngineConfig(matmul_backend="xla"), "bfloat16", scan_layers=True).matmul == "xla"
     with pytest.raises(ValueError, match="attention_backend=native .* needs the CPU backend \\(running on gpu\\)"):
         ops.resolve_backends(EngineConfig(attention_backend="native"), "float32", scan_layers=False)
     with pytest.raises(ValueError, match="matmul_backend=native .* the backend is gpu, not cpu"):
@@ -115,8 +117,8 @@ def test_backends_value():
     assert hash(b) == hash(ops.Backends(attention="pallas", matmul="xla")) and b in {b}
     with pytest.raises(ValueError, match="Backends.attention must be one of pallas, native, xla .*'auto'"):
         ops.Backends(attention="auto", matmul="xla")
-    with pytest.raises(ValueError, match="Backends.matmul must be one of native, xla"):
-        ops.Backends(attention="xla", matmul="pallas")
+    with pytest.raises(ValueError, match="Backends.matmul must be one of native, xla, pallas"):
+        ops.Backends(attention="xla", matmul="triton")
     with pytest.raises(TypeError):
         ops.Backends("xla", "xla")  # keyword-only
 
