@@ -146,10 +146,12 @@ def excess_rise(nll: dict[str, list[np.ndarray]], rows: tuple[str, str, str, str
 def streamed_weights(weights) -> tuple[int, int, str]:
     """(bytes, elements, stored forms) of the linear maps a decode step reads: the seven per layer and the logits
     projection (lm_head, else the tied embedding), in whatever form the runner holds them (arrays, QuantizedLinear,
-    the native kernel's PackedLinear; stacked or one per layer)."""
+    the native kernel's PackedLinear, fused or not; stacked or one per layer)."""
     layers = weights.layers if isinstance(weights.layers, (tuple, list)) else [weights.layers]
     maps = [getattr(w, f) for w in layers for f in LINEAR_FIELDS]
     maps.append(weights.lm_head if weights.lm_head is not None else weights.embed)
+    # maps packed side by side (ops.FusedLinear: q, k, v; gate, up) are one matrix, their other fields None
+    maps = [getattr(m, "w", m) for m in maps if m is not None]
     forms: dict[str, int] = {}
     for m in maps:
         if hasattr(m, "panels"):  # PackedLinear: format "f32" | "bf16" | "int8" | "int4", group 0 for floats

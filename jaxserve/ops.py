@@ -23,6 +23,7 @@ entry point; the sampler calls `ops.verify_one_hot` the same way.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from cpu_kernels import matmul as _cpu_matmul
 from cpu_kernels import ragged_paged_attention as _cpu_rpa
 from jaxserve import sharding
 from jaxserve.config import BACKEND_ENV, EngineConfig
-from jaxserve.quant import QuantizedLinear
+from jaxserve.quant import QuantizedLinear, concat_columns
 from pallas_kernels import quant_matmul as _quant_matmul
 from pallas_kernels import ragged_paged_attention as _rpa
 from pallas_kernels import spec_verify as _spec_verify
@@ -211,6 +212,39 @@ def pack_linear(w) -> PackedLinear:
     if isinstance(w, QuantizedLinear):
         return _cpu_matmul.pack_quantized(w.values(), w.scales, w.zeros, bits=w.bits)
     return _cpu_matmul.pack(w)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class FusedLinear:
+    """Linear maps of one input run as one native matmul: `w` packs them side by side ([K, sum(sizes)]), `sizes`
+    are their output widths. Built at pack time (`pack_linears`); `linears` splits the product. Each column is
+    computed by the same operations as in its own matmul, so the outputs are bit for bit the separate ones."""
+
+    w: PackedLinear
+    sizes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def pack_linears(ws: list) -> list:
+    """Host-side, once: linear weights of one input -> what `linears` takes for them, in the same order. When
+    their stored forms agree (`quant.concat_columns`): a `FusedLinear` first, then None for the others (one call
+    instead of len(ws): at decode each call costs a dispatch and a pass over a small matrix); else each packed."""
+    fused = concat_columns(ws) if len(ws) > 1 else None
+    if fused is None:
+        return [pack_linear(w) for w in ws]
+    return [FusedLinear(pack_linear(fused), tuple(int(w.shape[-1]) for w in ws))] + [None] * (len(ws) - 1)
+
+
+def linears(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
+    """`linear(x, w)` for each w: weights from `pack_linears` (a FusedLinear, then Nones) run as one matmul whose
+    output is split; any other forms one by one."""
+    if isinstance(ws[0], FusedLinear):
+        f = ws[0]
+        if len(ws) != len(f.sizes) or any(w is not None for w in ws[1:]):
+            raise ValueError(f"a FusedLinear of {len(f.sizes)} maps must come with {len(f.sizes) - 1} Nones")
+        y = _cpu_matmul.matmul(x, f.w)
+        return tuple(jnp.split(y, list(itertools.accumulate(f.sizes[:-1])), axis=-1))
+    return tuple(linear(x, w) for w in ws)
 
 
 def linear(x: jax.Array, w) -> jax.Array:

@@ -283,6 +283,22 @@ def stack_linears(per_layer: list) -> QuantizedLinear:
     return from_values(np.stack([t.values.T for t in same]), np.stack([t.scales.T for t in same]), zeros, bits)
 
 
+def concat_columns(ws: list):
+    """Linear weights of one input, [K, N_i] each (host arrays of one dtype, or QuantizedLinears of one bits, group
+    and zeros-or-not), side by side -> one weight [K, sum N_i] in the same stored form; None when the forms differ
+    (e.g. a GGUF layer whose value projection uses another block type). Exact: columns are only moved."""
+    cat = lambda arrays: np.concatenate([np.asarray(a) for a in arrays], axis=-1)  # noqa: E731
+    if all(isinstance(w, QuantizedLinear) for w in ws):
+        a = ws[0]
+        if any(w.bits != a.bits or w.group != a.group or (w.zeros is None) != (a.zeros is None) for w in ws):
+            return None
+        zeros = None if a.zeros is None else cat([w.zeros for w in ws])
+        return QuantizedLinear(cat([w.q for w in ws]), cat([w.scales for w in ws]), zeros, a.bits, a.kernel)
+    if any(isinstance(w, QuantizedLinear) for w in ws) or len({np.asarray(w).dtype for w in ws}) != 1:
+        return None
+    return cat(ws)
+
+
 def linear_bytes(weights) -> int:
     """Bytes of a (stacked) Weights tree's linear maps as stored: what a decode step streams, logits included."""
     maps = [getattr(weights.layers, f) for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.ops import linear  # x @ w for an array or a packed (native CPU matmul) weight; the model's only matmul
+from jaxserve.ops import linear, linears  # x @ w for any weight form: the model's only matmuls
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -62,8 +62,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def gated_mlp(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """SwiGLU MLP. x: f[T, D], w_gate/w_up: [D, F], w_down: [F, D] (arrays or packed, see `linear`) -> f[T, D]."""
-    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    """SwiGLU MLP. x: f[T, D], w_gate/w_up: [D, F], w_down: [F, D] (arrays or packed, see `linear`; gate and up
+    may be fused, `ops.pack_linears`) -> f[T, D]."""
+    gate, up = linears(x, w_gate, w_up)
+    return linear(jax.nn.silu(gate) * up, w_down)
 
 
 def argmax(x: jax.Array) -> jax.Array:
