@@ -13,11 +13,12 @@ for token lookup stay in the model dtype, and activations stay in the model dtyp
     gguf       the GGUF file's own blocks, repacked exactly (no float detour): Q4_0, Q4_1, Q4_K as 4-bit;
                Q8_0, Q5_0, Q5_1, Q5_K, Q6_K as int8 (5- and 6-bit values widened to a byte)
 
-Every integer scheme is one `QuantizedLinear`: w[k, n] = q[k, n] * scales[k // G, n] + zeros[k // G, n], q int8
-or 4-bit, scales and zeros float32, groups of G along the input dimension. That form holds each GGUF block format
-exactly (a Q4_K sub-block's d * sc and dmin * m are exact float32 products; Q4_0's d * (q - 8) is q * d - 8 d), so
-the XLA reference (`QuantizedLinear.dequantize`, then a dot) and the native CPU kernels (`cpu_kernels.matmul`,
-packed by `ops.pack_linear_weights`) compute with the very values the file holds.
+Every integer scheme is one `QuantizedLinear`: w[k, n] = q[k, n] * scales[k // G, n] + zeros[k // G, n], q int8 or
+4-bit, scales and zeros float32 (the 4-bit quantizer rounds them to float16 values, which the native kernel then
+stores in 2 bytes, as GGUF's Q4_0 / Q4_1 / Q8_0 blocks store theirs), groups of G along the input dimension. That
+form holds each GGUF block format exactly (a Q4_K sub-block's d * sc and dmin * m are exact float32 products; Q4_0's
+d * (q - 8) is q * d - 8 d), so the XLA reference (`QuantizedLinear.dequantize`, then a dot) and the native CPU
+kernels (`cpu_kernels.matmul`, packed by `ops.pack_linear_weights`) compute with the very values the file holds.
 
 Why not qwix (JAX's quantization library): its `QArray` stores w = (q - zero_point) * scale, which cannot hold
 GGUF's affine blocks exactly (zero_point = -m / d needs a division that rounds, and fails where d = 0), and its
@@ -111,8 +112,20 @@ def from_values(values: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None
 # --- quantizing float weights ---------------------------------------------------------------------------------
 
 
+def _f16_values(a: np.ndarray, up: bool) -> np.ndarray:
+    """f32 values -> the nearest float16 value at or above them (`up`) or at or below them, kept as f32 (left as
+    they are where float16 does not reach). Scales and zeros that are float16 values are stored in 2 bytes each by
+    the native kernel, as GGUF's blocks store theirs; rounding the scale up and the zero down keeps every weight of
+    the group within the 2^bits levels, so the error stays within half a step."""
+    r = a.astype(np.float16)
+    off = (r < a) if up else (r > a)
+    r = np.where(off, np.nextafter(r, np.float16(np.inf if up else -np.inf)), r).astype(np.float32)
+    return np.where(np.isfinite(r), r, a)
+
+
 def quantize_int8(w: np.ndarray) -> QuantizedLinear:
-    """f[..., K, N] -> int8 with one symmetric scale per output channel (absmax / 127, round to nearest)."""
+    """f[..., K, N] -> int8 with one symmetric scale per output channel (absmax / 127, round to nearest). One
+    scale per column: float32 costs nothing next to the values."""
     w = np.asarray(w, np.float32)
     scale = np.abs(w).max(axis=-2, keepdims=True) / 127
     inv = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
@@ -121,14 +134,16 @@ def quantize_int8(w: np.ndarray) -> QuantizedLinear:
 
 
 def quantize_int4(w: np.ndarray, group: int) -> QuantizedLinear:
-    """f[..., K, N] -> 4-bit with an affine scale and zero per group of `group` inputs (min..max over 16 levels)."""
+    """f[..., K, N] -> 4-bit with an affine scale and zero per group of `group` inputs (min..max over 16 levels;
+    scale and zero rounded to float16, as in GGUF's Q4_1)."""
     w = np.asarray(w, np.float32)
     *lead, K, N = w.shape
     if K % group:
         raise ValueError(f"int4 with groups of {group} needs the input dimension to be a multiple of it (got {K})")
     g = w.reshape(*lead, K // group, group, N)
     lo, hi = g.min(axis=-2), g.max(axis=-2)
-    scale = (hi - lo) / 15
+    lo = _f16_values(lo, up=False)
+    scale = _f16_values((hi - lo) / 15, up=True)
     inv = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
     q = np.clip(np.rint((g - lo[..., None, :]) * inv[..., None, :]), 0, 15).reshape(*lead, K, N)
     return from_values(q, scale, lo, 4)
