@@ -382,31 +382,34 @@ def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _
 
     is_random = s.temperature > 0
     greedy = vocab.argmax(x)
-    scaled = x / jnp.where(is_random, s.temperature, 1.0)[:, None]
-    needs_truncation = jnp.any(is_random & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)))
-    scaled = lax.cond(needs_truncation, functools.partial(_truncate, vocab=vocab), lambda x, _: x, scaled, s)
+
+    def tempered(x, s):  # only in steps with a random row: greedy steps skip a pass over the vocabulary
+        scaled = x / jnp.where(is_random, s.temperature, 1.0)[:, None]
+        needs_truncation = jnp.any(is_random & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)))
+        return lax.cond(needs_truncation, functools.partial(_truncate, vocab=vocab), lambda x, _: x, scaled, s)
 
     if draft_ids is None:
 
-        def draw(scaled, seeds):
-            return vocab.argmax(scaled + _gumbel(seeds, ids))
+        def draw(x, s):
+            return vocab.argmax(tempered(x, s) + _gumbel(s.seeds, ids))
 
-        drawn = lax.cond(jnp.any(is_random), draw, lambda *_: jnp.zeros((S,), jnp.int32), scaled, s.seeds)
+        drawn = lax.cond(jnp.any(is_random), draw, lambda *_: jnp.zeros((S,), jnp.int32), x, s)
         token_ids = jnp.where(is_random, drawn, greedy)
         accepted = jnp.zeros((S,), jnp.bool_)
     else:
 
-        def verify(scaled, seeds):
-            uniform = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(seeds)
-            gumbel = _gumbel(seeds, ids)
+        def verify(x, s):
+            scaled = tempered(x, s)
+            uniform = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(s.seeds)
+            gumbel = _gumbel(s.seeds, ids)
             if vocab.axis is None:
                 return ops.verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, gumbel)
             return _verify_split(scaled, greedy, is_random, draft_ids, uniform, gumbel, vocab)
 
-        def verify_greedy(scaled, seeds):
+        def verify_greedy(x, s):
             return greedy, (draft_ids >= 0) & (greedy == draft_ids)
 
-        token, accepted = lax.cond(jnp.any(is_random), verify, verify_greedy, scaled, s.seeds)
+        token, accepted = lax.cond(jnp.any(is_random), verify, verify_greedy, x, s)
         token_ids = jnp.where(accepted, draft_ids, token)
 
     m, log_z = _normaliser(logits, vocab)
