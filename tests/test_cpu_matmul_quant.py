@@ -24,9 +24,11 @@ pytestmark = pytest.mark.skipif(
 FORMATS = ("bf16", "int8", "int4")
 
 
-def _weight(fmt: str, K: int, N: int, group: int = 32, zeros: bool = True, seed: int = 0):
+def _weight(fmt: str, K: int, N: int, group: int = 32, zeros: bool = True, seed: int = 0, f16: bool = False,
+            scale_dtype=None):
     """A random weight of `fmt` -> (PackedLinear, its dequantization f32[K, N] computed in numpy). Scales and zeros
-    differ per group and column, so a scale from the wrong group or column shows."""
+    differ per group and column, so a scale from the wrong group or column shows. `f16`: scales and zeros rounded to
+    f16 values (some negative, some f16 subnormals), so they pack as f16 unless `scale_dtype` says otherwise."""
     rng = np.random.default_rng(seed)
     if fmt == "bf16":
         w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(ml_dtypes.bfloat16)
@@ -36,10 +38,17 @@ def _weight(fmt: str, K: int, N: int, group: int = 32, zeros: bool = True, seed:
     levels = 128 if bits == 8 else 8
     s = (rng.uniform(0.5, 1.5, (K // group, N)) / (levels * np.sqrt(K))).astype(np.float32)
     z = (rng.standard_normal((K // group, N)) / np.sqrt(K)).astype(np.float32) if zeros else None
+    if f16:
+        s[:, ::3] *= -1
+        s[0, :5] = np.float32(2.0**-20) * np.arange(1, 6)  # f16 subnormals
+        s = s.astype(np.float16).astype(np.float32)
+        if zeros:
+            z[-1, :3] = np.float32(2.0**-24) * np.arange(1, 4)
+            z = z.astype(np.float16).astype(np.float32)
     w = q.astype(np.float32) * np.repeat(s, group, axis=0)  # f32 product, rounded ...
     if zeros:
         w = w + np.repeat(z, group, axis=0)  # ... then the f32 sum, rounded
-    return native.pack_quantized(q, s, z, bits=bits), w
+    return native.pack_quantized(q, s, z, bits=bits, scale_dtype=scale_dtype), w
 
 
 CASES = [(fmt, K, G, z) for fmt in ("int8", "int4") for K, G in ((128, 32), (128, 64), (128, 128), (96, 32), (96, 48))
@@ -189,19 +198,32 @@ def test_layouts():
     assert bf16.format == "bf16" and bf16.panels.shape == (3, K, 32) and bf16.panels.dtype == jnp.bfloat16
     assert bf16.scales is None and bf16.group == 0 and bf16.shape == (K, N)
     q8 = np.random.default_rng(14).integers(-128, 128, (K, N)).astype(np.int8)
-    int8 = native.pack_quantized(q8, np.ones((2, N), np.float32), np.zeros((2, N), np.float32))
-    assert int8.format == "int8" and int8.panels.shape == (3, K // 4, 128) and int8.group == 32
+    s8 = np.arange(1, 2 * N + 1, dtype=np.float32).reshape(2, N) / 8  # exact in f16
+    z8 = -s8 / 4
+    int8 = native.pack_quantized(q8, s8, z8)
+    # per panel and group of 32 k: 32 f16 scales, 32 f16 zeros, then 8 x 128 bytes of quants
+    assert int8.format == "int8" and int8.panels.shape == (3, 2, 64 + 64 + 8 * 128) and int8.group == 32
+    assert int8.scale_bytes == 2 and int8.has_zeros and int8.panels.dtype == jnp.int8
     assert int8.shape == (K, N) and int8.scales.shape == int8.zeros.shape == (3, 2, 32)
-    u8 = np.asarray(int8.panels).view(np.uint8).reshape(3, K // 4, 32, 4)  # [panel, k // 4, column, k % 4]
+    raw = np.asarray(int8.panels).view(np.uint8)
+    heads = raw[..., :128].copy().view(np.float16).astype(np.float32)  # [panel, group, 64]
+    np.testing.assert_array_equal(heads[1, :, :32], s8[:, 32:64])
+    np.testing.assert_array_equal(heads[1, :, 32:], z8[:, 32:64])
+    np.testing.assert_array_equal(heads[2, :, 6:32], 0)  # padding columns: scale and zero 0
+    np.testing.assert_array_equal(heads[2, :, 38:], 0)
+    np.testing.assert_array_equal(np.asarray(int8.scales)[:, :, :].transpose(1, 0, 2).reshape(2, 96)[:, :N], s8)
+    u8 = raw[..., 128:].reshape(3, K // 4, 32, 4)  # [panel, k // 4, column, k % 4]
     np.testing.assert_array_equal(u8[1, 5, 7, 2], int(q8[4 * 5 + 2, 32 + 7]) + 128)
     np.testing.assert_array_equal(u8[1].transpose(0, 2, 1).reshape(K, 32), q8[:, 32:64].astype(np.int32) + 128)
     np.testing.assert_array_equal(u8[2, :, 6:], 128)  # padding columns are q = 0
-    np.testing.assert_array_equal(np.asarray(int8.scales)[2, :, 6:], 0)
+    assert int8.nbytes == 3 * 2 * 1152
     q = np.arange(K * N).reshape(K, N).astype(np.uint8) % 16
-    s = np.ones((1, N), np.float32)
+    s = np.full((1, N), 0.1, np.float32)  # not an f16: stored as f32
     int4 = native.pack_quantized(q, s, None, bits=4)
-    assert int4.format == "int4" and int4.panels.shape == (3, K // 4, 64) and int4.zeros is None and int4.group == K
-    panels = np.asarray(int4.panels).reshape(3, K // 4, 16, 4)  # [panel, k // 4, j, k % 4]
+    assert int4.format == "int4" and int4.panels.shape == (3, 1, 128 + K // 4 * 64) and int4.group == K
+    assert int4.zeros is None and not int4.has_zeros and int4.scale_bytes == 4
+    np.testing.assert_array_equal(np.asarray(int4.panels)[0, 0, :128].copy().view(np.float32), s[0, :32])
+    panels = np.asarray(int4.panels)[..., 128:].reshape(3, K // 4, 16, 4)  # [panel, k // 4, j, k % 4]
     byk = panels[1].transpose(0, 2, 1).reshape(K, 16)
     np.testing.assert_array_equal(byk & 15, q[:, 32:48])  # byte [j, i]: column j in the low nibble,
     np.testing.assert_array_equal(byk >> 4, q[:, 48:64])  # column j + 16 in the high one
@@ -213,12 +235,82 @@ def test_layouts():
 def test_is_a_pytree_with_static_metadata():
     packed, w = _weight("int4", 64, 70, 32)
     leaves, treedef = jax.tree_util.tree_flatten(packed)
-    assert len(leaves) == 3  # panels, scales, zeros; n and group are static
+    assert len(leaves) == 1  # panels (scales and zeros inside); n, group, scale_bytes and has_zeros are static
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
-    assert rebuilt.group == 32 and rebuilt.n == 70 and rebuilt.format == "int4"
+    assert rebuilt.group == 32 and rebuilt.n == 70 and rebuilt.format == "int4" and rebuilt.has_zeros
     x = jnp.ones((2, 64), jnp.float32)
     np.testing.assert_allclose(np.asarray(jax.jit(native.matmul)(x, rebuilt)), np.ones((2, 64)) @ w, rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt,zeros,f16", [(fmt, z, f16) for fmt in ("f32", "bf16", "int8", "int4")
+                                           for z in (True, False) for f16 in (True, False)
+                                           if fmt in ("int8", "int4") or not (z or f16)])
+def test_one_leaf_per_packed_linear(fmt, zeros, f16):
+    """Every format is one array: the jitted step's host dispatch costs per leaf."""
+    if fmt == "f32":
+        packed = native.pack(np.ones((64, 40), np.float32))
+    else:
+        packed, _ = _weight(fmt, 64, 40, 32, zeros, f16=f16)
+    assert len(jax.tree.leaves(packed)) == 1
+    assert len(jax.tree.leaves({"a": [packed, packed]})) == 2
+
+
+def test_scale_dtype_selection():
+    """Scales and zeros pack as f16 exactly when every one of them is an f16 value (no rounding, no overflow)."""
+    K, N = 64, 40
+    rng = np.random.default_rng(15)
+    q4 = rng.integers(0, 16, (K, N)).astype(np.uint8)
+    # Q4_1-like: f16 scale d and minimum m per block of 32, zeros = m
+    d = rng.uniform(1e-3, 1e-2, (2, N)).astype(np.float16).astype(np.float32)
+    m = -8 * d
+    m16 = m.astype(np.float16).astype(np.float32)
+    assert native.pack_quantized(q4, d, m16, bits=4).scale_bytes == 2
+    assert native.pack_quantized(q4, d, None, bits=4).scale_bytes == 2
+    inexact = d.copy()
+    inexact[1, 7] = np.float32(0.1)
+    assert native.pack_quantized(q4, inexact, m16, bits=4).scale_bytes == 4  # one inexact scale
+    z_inexact = m16.copy()
+    z_inexact[0, 3] = np.float32(1 / 3)
+    assert native.pack_quantized(q4, d, z_inexact, bits=4).scale_bytes == 4  # one inexact zero
+    big = d.copy()
+    big[0, 0] = 65536.0  # 2^16: exact in f16's precision, but past its largest finite (65504)
+    assert native.pack_quantized(q4, big, None, bits=4).scale_bytes == 4
+    big[0, 0] = 65504.0
+    assert native.pack_quantized(q4, big, None, bits=4).scale_bytes == 2
+    tiny = d.copy()
+    tiny[0, 0] = np.float32(2.0**-25)  # below f16's smallest subnormal
+    assert native.pack_quantized(q4, tiny, None, bits=4).scale_bytes == 4
+    nan = d.copy()
+    nan[0, 0] = np.nan
+    assert native.pack_quantized(q4, nan, None, bits=4).scale_bytes == 4
+    assert native.pack_quantized(q4, d, None, bits=4, scale_dtype=np.float32).scale_bytes == 4
+    with pytest.raises(ValueError, match="scale_dtype"):
+        native.pack_quantized(q4, inexact, None, bits=4, scale_dtype=np.float16)
+    # the f16 copy streams fewer bytes: 32 x (2 + 2) per group instead of 32 x (4 + 4)
+    f16 = native.pack_quantized(q4, d, m16, bits=4)
+    f32 = native.pack_quantized(q4, d, m16, bits=4, scale_dtype=np.float32)
+    assert f32.nbytes - f16.nbytes == 2 * 2 * 32 * 4  # panels x groups x 32 x (2 + 2) bytes
+
+
+@pytest.mark.parametrize("fmt,K,G,zeros", [c for c in CASES if c[0] != "bf16"])
+def test_f16_scales_are_bit_identical_to_f32_scales(fmt, K, G, zeros):
+    """An f16-exact weight packed with f16 scales and zeros (negative and subnormal ones included) and packed with
+    f32 ones: the same results bit for bit (the kernel widens exactly, then the same f32 arithmetic), and the same
+    `unpack`."""
+    f16, w = _weight(fmt, K, 70, G or K, zeros, seed=16, f16=True)
+    f32, w32 = _weight(fmt, K, 70, G or K, zeros, seed=16, f16=True, scale_dtype=np.float32)
+    assert f16.scale_bytes == 2 and f32.scale_bytes == 4 and f16.nbytes < f32.nbytes
+    np.testing.assert_array_equal(w, w32)
+    np.testing.assert_array_equal(np.asarray(f16.unpack()), w)
+    np.testing.assert_array_equal(np.asarray(f32.unpack()), w)
+    f = jax.jit(native.matmul)
+    x_all = np.random.default_rng(17).standard_normal((20, K)).astype(np.float32)
+    for M in (1, 2, 7, 20):
+        x = jnp.asarray(x_all[:M])
+        out = np.asarray(f(x, f16))
+        np.testing.assert_array_equal(out, np.asarray(f(x, f32)), err_msg=f"M={M}")
+        np.testing.assert_allclose(out, _reference(x_all[:M], fmt, w), rtol=1e-5, atol=2e-6 * np.sqrt(K))
 
 
 def test_validation():
@@ -300,16 +392,19 @@ def test_portable_path_equals_avx512_path(tmp_path):
     def portable(x, w):
         call = jax.ffi.ffi_call(f"{native.TARGETS[w.format][0]}_portable_test",
                                 jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
-        if w.scales is None:
+        if not w.quantized:
             return call(x, w.panels)
-        return call(x, w.panels, w.scales, jnp.zeros((0,), jnp.float32) if w.zeros is None else w.zeros)
+        return call(x, w.panels, scale_bytes=np.int32(w.scale_bytes), has_zeros=w.has_zeros)
 
-    for fmt, K, G, zeros in CASES + [("f32", 96, 0, False)]:
+    cases = CASES + [(fmt, K, G, zeros, True) for fmt, K, G, zeros in CASES if fmt != "bf16"]
+    for fmt, K, G, zeros, *f16 in cases + [("f32", 96, 0, False)]:
         if fmt == "f32":
             packed = native.pack(np.random.default_rng(9).standard_normal((K, 70)).astype(np.float32))
         else:
-            packed, _ = _weight(fmt, K, 70, G or K, zeros, seed=9)
+            packed, _ = _weight(fmt, K, 70, G or K, zeros, seed=9, f16=bool(f16))
+            assert fmt == "bf16" or packed.scale_bytes == (2 if f16 else 4)
         for M in (1, 13, 40):
             x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)).astype(np.float32))
             np.testing.assert_array_equal(np.asarray(jax.jit(portable)(x, packed)),
-                                          np.asarray(jax.jit(native.matmul)(x, packed)), err_msg=f"{fmt} K={K} M={M}")
+                                          np.asarray(jax.jit(native.matmul)(x, packed)),
+                                          err_msg=f"{fmt} K={K} G={G} zeros={zeros} f16={f16} M={M}")

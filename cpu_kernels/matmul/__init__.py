@@ -4,17 +4,22 @@ bf16, int8 or 4-bit.
 A weight is logically w f32[K, N]. Packing it (once, on the host, when weights are placed) gives a `PackedLinear` in
 the kernel's layout: panels of 32 columns, each a sequential stream over K, zero-padded past N.
 
-    format  made by                                   panels                 dequantized w[k, n]
-    f32     pack(w f32[K, N])                         f32[P, K, 32]          w
-    bf16    pack(w bf16[K, N])                        bf16[P, K, 32]         the bf16 widened exactly
-    int8    pack_quantized(q int8, scales, zeros)     int8[P, K / 4, 128]    q * scales[k // G, n] + zeros[k // G, n]
-    int4    pack_quantized(q 0..15, ..., bits=4)      uint8[P, K / 4, 64]    the same, q 4-bit
+    format  made by                                   panels (the one array)    dequantized w[k, n]
+    f32     pack(w f32[K, N])                         f32[P, K, 32]             w
+    bf16    pack(w bf16[K, N])                        bf16[P, K, 32]            the bf16 widened exactly
+    int8    pack_quantized(q int8, scales, zeros)     int8[P, K / G, B]         q * scales[k // G, n] + zeros[k // G, n]
+    int4    pack_quantized(q 0..15, ..., bits=4)      uint8[P, K / G, B]        the same, q 4-bit
 
-P = ceil(N / 32). Scales and zeros (f32[K // G, N], groups of G along K; zeros None = none added) become f32[P, K // G,
-32]. The integer formats hold 4 consecutive k of a column together (vpdpbusd's 32-bit lanes): an int8 panel is
-[K / 4, 32 columns, 4 k] of the bytes of q + 128 (stored as int8 bits, read as uint8); a 4-bit panel is [K / 4, 16,
-4 k] bytes, byte [j, i] holding column j at k = 4 kq + i in its low nibble and column j + 16 in its high one. K must be
-a multiple of 32 and G of 16. Dequantization is float32 arithmetic, the product rounded, then the sum (not an FMA).
+P = ceil(N / 32). A PackedLinear has exactly one array (pytree leaf), `panels`: the integer formats interleave each
+group's scales and zeros with its quants, so a panel is one sequential stream. Per panel and group of G along K, B
+bytes: the group's 32 scales, then its 32 zeros (only with zeros), then its quants (G / 4 x 128 bytes for int8, x 64
+for int4). Scales and zeros (f32[K // G, N]; zeros None = none added) are stored as f16 when every one of them is
+exactly an f16 (a GGUF block's are), else as f32 (`scale_bytes` 2 or 4, static, like `has_zeros`, `group` and `n`):
+the kernel widens them exactly, so the results are the same bits either way. The quants hold 4 consecutive k of a
+column together (vpdpbusd's 32-bit lanes): int8 is [G / 4, 32 columns, 4 k] of the bytes of q + 128 (stored as int8
+bits, read as uint8); 4-bit is [G / 4, 16, 4 k] bytes, byte [j, i] holding column j at k = 4 kq + i in its low nibble
+and column j + 16 in its high one. K must be a multiple of 32 and G of 16. Dequantization is float32 arithmetic, the
+product rounded, then the sum (not an FMA).
 
 `matmul(x, packed)` computes `x @ w` for x f32[M, K] with one `jax.ffi.ffi_call`.
   * f32, bf16: each output element is an in-order FMA chain over K against the exact weights.
@@ -64,14 +69,15 @@ def load() -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PackedLinear:
-    """A linear weight [K, N] in the native kernel's layout (module docstring). `n` (the true column count) and
-    `group` (G, 0 for the float formats) are static; the format follows from the panels' dtype."""
+    """A linear weight [K, N] in the native kernel's layout (module docstring): one array, `panels`. `n` (the true
+    column count), `group` (G, 0 for the float formats), `scale_bytes` (2: f16 scales and zeros, 4: f32, 0 for the
+    float formats) and `has_zeros` are static; the format follows from the panels' dtype."""
 
-    panels: jax.Array  # f32 | bf16 [P, K, 32], int8 [P, K / 4, 128] or uint8 [P, K / 4, 64] (int4)
+    panels: jax.Array  # f32 | bf16 [P, K, 32], int8 | uint8 (int4) [P, K / G, bytes per group]
     n: int = dataclasses.field(metadata=dict(static=True))
-    scales: jax.Array | None = None  # f32[P, K // G, 32] (int8, int4)
-    zeros: jax.Array | None = None  # f32[P, K // G, 32], or None: no zeros
     group: int = dataclasses.field(default=0, metadata=dict(static=True))
+    scale_bytes: int = dataclasses.field(default=0, metadata=dict(static=True))
+    has_zeros: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def format(self) -> str:
@@ -79,29 +85,56 @@ class PackedLinear:
         return _FORMAT_OF_DTYPE[np.dtype(self.panels.dtype)]
 
     @property
+    def quantized(self) -> bool:
+        return self.group > 0
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return (self.panels.shape[1] * (4 if self.scales is not None else 1), self.n)
+        return (self.panels.shape[1] * (self.group if self.quantized else 1), self.n)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the kernel streams: panels, scales and zeros (padding included)."""
-        return sum(a.size * a.dtype.itemsize for a in (self.panels, self.scales, self.zeros) if a is not None)
+        """Bytes the kernel streams (scales, zeros and padding included)."""
+        return self.panels.size * self.panels.dtype.itemsize
+
+    def _head_bytes(self) -> int:
+        return PANEL * self.scale_bytes * (2 if self.has_zeros else 1)
+
+    def _head(self, i: int) -> jax.Array:  # f32[P, K // G, 32]: i = 0 the scales, 1 the zeros
+        """One part of the groups' heads, widened to f32 (exact from f16). Traceable."""
+        P, groups, _ = self.panels.shape
+        sb = self.scale_bytes
+        raw = jax.lax.bitcast_convert_type(self.panels, jnp.uint8)[..., i * PANEL * sb:(i + 1) * PANEL * sb]
+        dtype = jnp.float16 if sb == 2 else jnp.float32
+        return jax.lax.bitcast_convert_type(raw.reshape(P, groups, PANEL, sb), dtype).astype(jnp.float32)
+
+    @property
+    def scales(self) -> jax.Array | None:
+        """f32[P, K // G, 32] (int8, int4; decoded from `panels`), or None (float formats)."""
+        return self._head(0) if self.quantized else None
+
+    @property
+    def zeros(self) -> jax.Array | None:
+        """f32[P, K // G, 32] (int8, int4 with zeros; decoded from `panels`), or None."""
+        return self._head(1) if self.quantized and self.has_zeros else None
 
     def unpack(self) -> jax.Array:  # f32[K, N]
         """The dequantized weight, as the kernel computes it (traceable): the reference and the XLA fallback."""
         K, _ = self.shape
         P = self.panels.shape[0]
         w = self.panels
+        if self.quantized:  # the quants after each group's head -> [P, K / 4, bytes per 4 k]
+            w = jax.lax.bitcast_convert_type(w, jnp.uint8)[..., self._head_bytes():].reshape(P, K // 4, -1)
         if self.format == "int8":  # [P, K / 4, 32 columns, 4 k] bytes of q + 128 -> q [P, K, 32]
-            w = jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(P, K // 4, PANEL, 4)
+            w = w.reshape(P, K // 4, PANEL, 4)
             w = jnp.swapaxes(w, 2, 3).reshape(P, K, PANEL).astype(jnp.int32) - 128
         elif self.format == "int4":  # [P, K / 4, 16, 4 k] -> [P, K, 16] -> columns j (low), j + 16 (high)
             w = jnp.swapaxes(w.reshape(P, K // 4, PANEL // 2, 4), 2, 3).reshape(P, K, PANEL // 2)
             w = jnp.concatenate([w & 15, w >> 4], axis=-1)  # [P, K, 32]
         w = w.astype(jnp.float32)
-        if self.scales is not None:
+        if self.quantized:
             w = _rounded_product(w, jnp.repeat(self.scales, self.group, axis=1))
-            if self.zeros is not None:
+            if self.has_zeros:
                 w = w + jnp.repeat(self.zeros, self.group, axis=1)
         return jnp.transpose(w, (1, 0, 2)).reshape(K, P * PANEL)[:, : self.n]
 
@@ -137,11 +170,13 @@ def pack(w) -> PackedLinear:
     return PackedLinear(panels=jnp.asarray(_panels(w)), n=w.shape[1])
 
 
-def pack_quantized(q, scales, zeros=None, bits: int = 8) -> PackedLinear:
+def pack_quantized(q, scales, zeros=None, bits: int = 8, *, scale_dtype=None) -> PackedLinear:
     """Integer weight -> PackedLinear (int8 or int4) with w[k, n] = q[k, n] * scales[k // G, n] + zeros[k // G, n].
 
     q: int8[K, N] (bits 8) or uint8[K, N] holding 0..15 (bits 4); scales, zeros: f32[K // G, N] (zeros None = 0),
-    G = K // scales.shape[0] dividing K. Numpy or jax arrays; done once, on the host."""
+    G = K // scales.shape[0] dividing K. Numpy or jax arrays; done once, on the host. Scales and zeros are stored as
+    f16 when all of them are exactly f16 values, else as f32 (the same results either way); `scale_dtype` np.float32
+    forces f32, np.float16 demands f16 (ValueError if inexact)."""
     q, scales = np.asarray(q), np.asarray(scales)
     if bits not in (4, 8):
         raise ValueError(f"bits must be 8 or 4 (got {bits})")
@@ -164,16 +199,29 @@ def pack_quantized(q, scales, zeros=None, bits: int = 8) -> PackedLinear:
             raise ValueError(f"zeros must be f32{list(scales.shape)} like scales, or None (got {zeros.shape} "
                              f"{zeros.dtype})")
     panels = _panels(q)  # [P, K, 32]
-    P = panels.shape[0]
+    P, groups = panels.shape[0], scales.shape[0]
     if bits == 8:  # the bytes of q + 128, [P, K / 4, 32 columns, 4 k]
         panels = (panels.view(np.uint8) ^ 0x80).reshape(P, K // 4, 4, PANEL).transpose(0, 1, 3, 2)
-        panels = np.ascontiguousarray(panels).reshape(P, K // 4, 4 * PANEL).view(np.int8)
     else:  # byte j: column j low, column j + 16 high; then [P, K / 4, 16, 4 k]
         panels = panels[..., :16] | (panels[..., 16:] << 4)
-        panels = np.ascontiguousarray(panels.reshape(P, K // 4, 4, PANEL // 2).transpose(0, 1, 3, 2))
-        panels = panels.reshape(P, K // 4, 2 * PANEL)
-    return PackedLinear(panels=jnp.asarray(panels), n=N, scales=jnp.asarray(_panels(scales)),
-                        zeros=None if zeros is None else jnp.asarray(_panels(zeros)), group=K // scales.shape[0])
+        panels = panels.reshape(P, K // 4, 4, PANEL // 2).transpose(0, 1, 3, 2)
+    quants = np.ascontiguousarray(panels).reshape(P, groups, -1)  # [P, K / G, G / 4 x 128 or 64 bytes]
+    heads = [scales] if zeros is None else [scales, zeros]
+    exact = all(_f16_exact(a) for a in heads)
+    dtype = np.dtype(scale_dtype) if scale_dtype is not None else np.dtype(np.float16 if exact else np.float32)
+    if dtype not in (np.float16, np.float32) or (dtype == np.float16 and not exact):
+        raise ValueError(f"scale_dtype must be None, float32, or float16 with every scale and zero exactly an f16 "
+                         f"(got {dtype}, exact: {exact})")
+    heads = [_panels(a.astype(dtype)).view(np.uint8) for a in heads]  # [P, K / G, 32 x 2 or 4 bytes]
+    panels = np.concatenate([*heads, quants], axis=-1).view(np.int8 if bits == 8 else np.uint8)
+    return PackedLinear(panels=jnp.asarray(panels), n=N, group=K // groups, scale_bytes=np.dtype(dtype).itemsize,
+                        has_zeros=zeros is not None)
+
+
+def _f16_exact(a: np.ndarray) -> bool:
+    """Every value of f32 `a` is exactly an f16 (no rounding, no overflow; a NaN is not)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
 def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -207,10 +255,9 @@ def matmul(x: jax.Array, w: PackedLinear) -> jax.Array:
     if x.ndim != 2 or x.shape[1] != K or x.dtype != jnp.float32:
         raise ValueError(f"matmul takes x f32[M, {K}] (got {x.shape} {x.dtype})")
     if not load():
-        return (x if w.scales is None else fake_quant_activations(x)) @ w.unpack()
+        return (fake_quant_activations(x) if w.quantized else x) @ w.unpack()
     call = jax.ffi.ffi_call(TARGETS[w.format][0], jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32),
                             vmap_method="sequential")
-    if w.scales is None:
+    if not w.quantized:
         return call(x, w.panels)
-    zeros = jnp.zeros((0,), jnp.float32) if w.zeros is None else w.zeros
-    return call(x, w.panels, w.scales, zeros)
+    return call(x, w.panels, scale_bytes=np.int32(w.scale_bytes), has_zeros=bool(w.has_zeros))

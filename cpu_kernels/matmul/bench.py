@@ -3,8 +3,9 @@ linear maps.
 
     python -m cpu_kernels.matmul.bench            # ~3-4 min on 2 cores; writes docs/benchmarks/cpu_matmul.{json,md}
     python -m cpu_kernels.matmul.bench --smoke    # tiny shapes, a few seconds, writes nothing
+    python -m cpu_kernels.matmul.bench --cold     # M = 1 against cold weights, per shape (~20 s), writes nothing
 
-Two tables:
+Two tables (and, with --cold, a third alone):
 
 * **One step's linear maps, weights from memory** (the number that matters), at M = 1 (single-stream decode), 16 (a
   full decode batch) and 64 (a prefill chunk) rows, per weight format: a jitted chain over 30 layers of distinct
@@ -15,6 +16,9 @@ Two tables:
   zeros) over the median time, against the copy bandwidth (np.copyto, read + write, as bench/decode.py measures it).
 * **One product, weights hot in cache**, f32: each shape alone, repeated (a 576x576 weight stays in L2/L3), which
   flatters XLA's dot: it shows the kernels' arithmetic, not the streaming a step does.
+
+* **M = 1, cold weights, per shape** (`--cold`, `bench_cold`): one jitted chain of M = 1 products over 30 distinct
+  copies of a shape (4 for the logits), as the per-call number behind the first table; us per call and GB/s.
 
 Times are the median (and minimum) of interleaved repeats. Max |error| is against a float64 numpy product (per shape)
 or between the native and XLA chains of the same weights (per step).
@@ -101,7 +105,7 @@ def _chain(x, layers, head, mm):
 
 def _xla_matmul(x, w: native.PackedLinear):
     """What `matmul` computes, in XLA (its fallback): x @ unpack(), x quantized per block first for int8 and int4."""
-    return (x if w.scales is None else native.fake_quant_activations(x)) @ w.unpack()
+    return (native.fake_quant_activations(x) if w.quantized else x) @ w.unpack()
 
 
 def bench_steps(M: int, rounds: int, weights: dict) -> list[dict]:
@@ -136,13 +140,76 @@ def bench_steps(M: int, rounds: int, weights: dict) -> list[dict]:
     return rows
 
 
+# Cold weights at M = 1: (K, N, formats, copies). 30 distinct copies per shape (> 30 MB: out of every cache); the
+# logits shape is 28 MB a copy, so 4 copies are as cold and pack in seconds.
+COLD_SHAPES = [(576, 960, None, 30), (576, 576, None, 30), (576, 3072, None, 30), (1536, 576, None, 30),
+               (576, 49152, ("int8, G = 32",), 4)]
+COLD_FORMATS = {"bf16": ("bf16", 0, False), "int8, G = 32": ("int8", 32, False),
+                "int4, G = 32 + zeros": ("int4", 32, True)}
+
+
+def _cold_weight(rng, K: int, N: int, fmt: str, group: int, zeros: bool) -> native.PackedLinear:
+    """Like `_random_weight`, with scales and zeros exactly representable in f16 (as a GGUF file's are)."""
+    if fmt in ("f32", "bf16"):
+        return _random_weight(rng, K, N, fmt, group, zeros)
+    G = group or K
+    if fmt == "int8":
+        q, spread, mid = rng.integers(-127, 128, (K, N)).astype(np.int8), 73.0, 0.0
+    else:
+        q, spread, mid = rng.integers(0, 16, (K, N)).astype(np.uint8), 4.6, 7.5
+    s = (rng.uniform(0.8, 1.2, (K // G, N)) / (spread * np.sqrt(K))).astype(np.float16)
+    z = (-mid * s.astype(np.float32)).astype(np.float16).astype(np.float32) if zeros else None
+    return native.pack_quantized(q, s.astype(np.float32), z, bits=8 if fmt == "int8" else 4)
+
+
+def bench_cold(rounds: int) -> list[dict]:
+    """M = 1 products against cold weights: per shape and format, one jitted chain over distinct copies (each
+    call's input depends on the previous output through one scalar, as in a step); us per call and GB/s (packed
+    bytes / time), all cases interleaved."""
+    rng = np.random.default_rng(0)
+
+    def chain(x, ws):
+        for w in ws:
+            y = native.matmul(x, w)
+            x = x * (1 + 1e-9 * y[:, :1])
+        return x
+
+    f = jax.jit(chain)
+    calls, info = {}, {}
+    for K, N, fmts, copies in COLD_SHAPES:
+        for label in fmts or COLD_FORMATS:
+            ws = [_cold_weight(rng, K, N, *COLD_FORMATS[label]) for _ in range(copies)]
+            x = jnp.asarray(rng.standard_normal((1, K)).astype(np.float32))
+            calls[(K, N, label)] = (f, (x, ws))
+            info[(K, N, label)] = (copies, sum(w.nbytes for w in ws))
+    for fn, args in calls.values():
+        fn(*args).block_until_ready()  # compile and warm up
+    times = util.time_calls(calls, rounds)
+    rows = []
+    for (K, N, label), t in times.items():
+        copies, nbytes = info[(K, N, label)]
+        rows.append(dict(K=K, N=N, format=label, copies=copies, bytes_per_call=nbytes // copies,
+                         us_per_call=t["median_ms"] * 1e3 / copies, us_per_call_min=t["min_ms"] * 1e3 / copies,
+                         GBps=nbytes / t["median_ms"] / 1e6))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no output files")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds per case")
+    parser.add_argument("--cold", action="store_true", help="only M = 1 products against cold weights (a table)")
     args = parser.parse_args(argv)
     if not native.load():
         raise SystemExit("the native CPU matmul library could not be built (see the warning above)")
+    if args.cold:
+        rows = bench_cold(args.rounds)
+        print(util.md_table(["K x N", "weights", "copies", "KB per call", "us per call median (min)", "GB/s"],
+                            [[f"{r['K']}x{r['N']}", r["format"], r["copies"], f"{r['bytes_per_call'] / 1e3:.0f}",
+                              f"{r['us_per_call']:.1f} ({r['us_per_call_min']:.1f})", f"{r['GBps']:.1f}"]
+                             for r in rows]))
+        print(f"copy bandwidth {util.copy_bandwidth() / 1e9:.1f} GB/s")
+        return
     shapes = [("smoke", 64, 100)] if args.smoke else SHAPES
     rows_m = (1, 5) if args.smoke else ROWS
     steps, bandwidth = [], []
@@ -191,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     markdown = (
         "# CPU matmul: native FFI kernel vs XLA dot\n\n"
         "SmolLM2-135M's linear maps, x f32[M, K] @ w[K, N], w packed in 32-column panels as f32, bf16, int8 or 4-bit "
-        "(scales and zeros f32 per group of G along K). f32 and bf16: weights widened in registers, then the f32 FMA "
+        "(scales and zeros per group of G along K, f16 when exact, else f32, interleaved with the quants). "
+        "f32 and bf16: weights widened in registers, then the f32 FMA "
         "loop. int8 and int4: **activations quantized per row and block of 32 k to int8 (d = max|x| / 127), as "
         "llama.cpp does**, integer dot products with vpdpbusd (4 k per 32-bit lane), scales and zeros applied per "
         "block of 32 in f32: y approximates `fake_quant_activations(x) @ unpack()` (relative error vs unquantized "

@@ -18,12 +18,17 @@
 //   * x is quantized once per call into scratch (`QuantizeRows`): per row m and block b of 32 k,
 //       d[m, b] = max|x| / 127,  xq[m, k] = clamp(round_half_even(x[m, k] * (d > 0 ? 1 / d : 0)), -127, 127)
 //     (true f32 divisions; `quantize_activations` in __init__.py is the same arithmetic in jnp).
-//   * Packed weights put 4 consecutive k of one column in each 32-bit lane, per panel [K / 4, 32 columns, 4 k]:
-//       int8  u8[K / 4][32][4]  (128 bytes per 4 k; q + 128, so vpdpbusd's unsigned operand; the offset is removed
+//   * One array per weight (the jitted step's host dispatch costs per array): a panel is one sequential stream of
+//     K / G groups, each [head][quants]. The head is the group's 32 scales, then (with zeros) its 32 zeros, as f16
+//     (`scale_bytes` = 2: chosen at pack time when every scale and zero of the weight is exactly an f16, e.g. a
+//     GGUF block's, widened exactly with vcvtph2ps, so the same f32 arithmetic and the same bits) or f32 (4). The
+//     quants put 4 consecutive k of one column in each 32-bit lane, [G / 4, 32 columns, 4 k]:
+//       int8  u8[G / 4][32][4]  (128 bytes per 4 k; q + 128, so vpdpbusd's unsigned operand; the offset is removed
 //                                exactly by starting the int32 sum at -128 * sum(xq) of the sub-block)
-//       int4  u8[K / 4][16][4]  ( 64 bytes per 4 k; byte [j][i]: column j, k = 4 kq + i in its low nibble, column
+//       int4  u8[G / 4][16][4]  ( 64 bytes per 4 k; byte [j][i]: column j, k = 4 kq + i in its low nibble, column
 //                                j + 16 in its high one: one 64-byte load, an and and a shift give both vectors)
-//     The activations' 4 bytes are a 32-bit broadcast.
+//     Heads are 64, 128 or 256 bytes, so with a 64-byte aligned buffer every group starts on a cache line. The
+//     activations' 4 bytes are a 32-bit broadcast.
 //   * Sub-blocks of S = 32 k (16 when G is not a multiple of 32) lie in one weight group and one activation block.
 //     Per sub-block j of group g and block b, the exact int32 sums isum[m, n] = sum_k q[k, n] xq[m, k] are folded
 //     into the f32 accumulator in this order (the same in the portable path, so the same bits):
@@ -35,12 +40,26 @@
 // the scale once at the group's end -- no faster than dequantizing each weight. Not tried: vdpbf16ps for bf16, which
 // needs x rounded to bf16.
 //
+// M = 1 on cold weights (`python -m cpu_kernels.matmul.bench --cold`: 30 distinct copies per shape in one jitted
+// chain; K x N = 576 x 960, 576 x 576, 576 x 3072, 1536 x 576 in bf16, int8 G = 32, int4 G = 32 + zeros, and
+// 576 x 49152 int8). Measured on 2 cores shared with other processes: medians moved by up to +-25% between runs of
+// the same code, so only the minimum over 9 runs of 15 rounds is quoted. Kept: one array per weight with f16 heads
+// (int4 G = 32 + zeros 6.0 -> 5.0 bits per weight, int8 G = 32 9.0 -> 8.5): 576 x 576 int4 21.5 -> 15.8 us, int8
+// 26.0 -> 22.0 us; 576 x 3072 int4 64.0 -> 50.6, int8 93.6 -> 79.3 us. Not kept, no gain above the noise in 3-4
+// interleaved runs each (as often slower as faster):
+//   * software prefetch (_mm_prefetch T0 of each quad's / k row's lines 256, 512 or 1024 bytes ahead in the panel
+//     stream): the stream is sequential, the hardware prefetchers already follow it;
+//   * splitting M <= 4 products into 2, 4 or 8 tasks whatever their size, or from 300 KB (the flop heuristic keeps
+//     a 576 x 576 or 576 x 960 weight on the calling thread): single-thread products reach 13-20 GB/s, the split
+//     large ones 20-35 GB/s, but at 0.2-1 MB per call the hand-off to a pool thread costs what the second core's
+//     bandwidth saves.
+//
 // Targets (inputs; the output is y f32[M, N], N its second dimension):
 //   JaxserveMatmul      x f32[M, K], w f32[P, K, 32]
 //   JaxserveMatmulBf16  x f32[M, K], w bf16[P, K, 32]
-//   JaxserveMatmulInt8  x f32[M, K], w s8[P, K / 4, 128] (the bytes of q + 128), scales f32[P, K / G, 32],
-//                       zeros f32[P, K / G, 32] or f32[0]
-//   JaxserveMatmulInt4  x f32[M, K], w u8[P, K / 4, 64], scales, zeros as for int8
+//   JaxserveMatmulInt8  x f32[M, K], w s8[P, K / G, B] (B = head + G / 4 x 128), attributes scale_bytes (s32: 2 or
+//                       4) and has_zeros (pred); G = K / w's second dimension
+//   JaxserveMatmulInt4  x f32[M, K], w u8[P, K / G, B] (B = head + G / 4 x 64), the same attributes
 // K must be a multiple of 32 for the integer formats and G a multiple of 16.
 
 #include <algorithm>
@@ -71,11 +90,11 @@ constexpr int64_t kTargetTaskFlops = int64_t{1} << 21;  // ~25 us of work: enoug
 
 struct Problem {
   const float* x;       // f32[M, K]
-  const void* w;        // panels, the format's storage type
-  const float* scales;  // f32[P, K / G, 32] (int8, int4) or null
-  const float* zeros;   // f32[P, K / G, 32] or null (no zeros)
+  const void* w;        // panels, the format's storage type (integer formats: scales, zeros and quants interleaved)
   float* y;             // f32[M, N]
   int64_t m, k, n, panels, group;  // group = K for the float formats
+  // Integer formats: bytes per group of a panel (head + quants) and of its head (32 scales, then 32 zeros if any).
+  int64_t group_bytes = 0, head_bytes = 0;
   // Integer formats: x quantized (scratch filled by QuantizeRows), sub-blocks of `sub` (32 or 16) k.
   const int8_t* xq = nullptr;   // s8[M, K]
   const float* xd = nullptr;    // f32[M, K / 32]: the blocks' d
@@ -251,20 +270,49 @@ void QuantizeRow(const float* x, int64_t k, int64_t sub, bool offset, int8_t* xq
   }
 }
 
+// Scale (and zero) storage: f32, or f16 when every scale and zero of the weight is exactly an f16 (then widened
+// exactly: the f32 arithmetic that follows is the same, so are the results). `Half` is the portable widening.
+using Half = uint16_t;
+
+inline float HalfToFloat(Half h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);  // normal: rebias 15 -> 127
+  } else {  // zero or subnormal: mant * 2^-24, exact in f32
+    float f = static_cast<float>(mant) * 0x1p-24f;
+    std::memcpy(&bits, &f, sizeof bits);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float ScaleValue(float s) { return s; }
+inline float ScaleValue(Half s) { return HalfToFloat(s); }
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
+inline __m512 LoadScales(const float* s) { return _mm512_loadu_ps(s); }
+inline __m512 LoadScales(const Half* s) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s)); }
+
 // Rows [m0, m0 + R) x panel p, sub-blocks of kSub k (a constant: the k loop unrolls, the accumulators stay put).
-template <class Fmt, bool kZeros, int64_t kSub, int R>
+// ST: the scales' storage type (float or Half). The panel is one sequential stream: per group, its head (32 scales,
+// then 32 zeros), then its quants.
+template <class Fmt, bool kZeros, int64_t kSub, class ST, int R>
 void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   const int64_t groups = p.k / p.group, subs = p.group / kSub, nsub = p.k / kSub, nblk = p.k / kBlock;
-  const uint8_t* w = static_cast<const uint8_t*>(p.w) + panel * (p.k / 4) * Fmt::kQuad;
-  const float* s = p.scales + panel * groups * kNr;
-  const float* z = kZeros ? p.zeros + panel * groups * kNr : nullptr;
-  for (int64_t g = 0, sb = 0; g < groups; ++g, s += kNr) {
-    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + panel * groups * p.group_bytes;
+  for (int64_t g = 0, sb = 0; g < groups; ++g) {
+    const ST* s = reinterpret_cast<const ST*>(w);
+    const __m512 s0 = LoadScales(s), s1 = LoadScales(s + 16);
     __m512 z0, z1;
-    if constexpr (kZeros) z0 = _mm512_loadu_ps(z), z1 = _mm512_loadu_ps(z + 16), z += kNr;
+    if constexpr (kZeros) z0 = LoadScales(s + kNr), z1 = LoadScales(s + kNr + 16);
+    w += p.head_bytes;
     for (int64_t j = 0; j < subs; ++j, ++sb) {
       const int64_t k0 = sb * kSub;
       // int32 sums; with few rows, even and odd quads go to separate sums (kChains), added at the end (exact):
@@ -318,14 +366,19 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
 }
 #else
 // Portable version: the same exact integer sums and the same float operations in the same order.
-template <class Fmt, bool kZeros, int64_t kSub, int R>
+template <class Fmt, bool kZeros, int64_t kSub, class ST, int R>
 void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
   float acc[R][kNr] = {};
   const int64_t groups = p.k / p.group, subs = p.group / kSub, nsub = p.k / kSub, nblk = p.k / kBlock;
-  const uint8_t* w = static_cast<const uint8_t*>(p.w) + panel * (p.k / 4) * Fmt::kQuad;
-  const float* s = p.scales + panel * groups * kNr;
-  const float* z = kZeros ? p.zeros + panel * groups * kNr : nullptr;
-  for (int64_t g = 0, sb = 0; g < groups; ++g, s += kNr) {
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + panel * groups * p.group_bytes;
+  for (int64_t g = 0, sb = 0; g < groups; ++g) {
+    float s[kNr], z[kNr];
+    const ST* head = reinterpret_cast<const ST*>(w);
+    for (int64_t c = 0; c < kNr; ++c) s[c] = ScaleValue(head[c]);
+    if constexpr (kZeros) {
+      for (int64_t c = 0; c < kNr; ++c) z[c] = ScaleValue(head[kNr + c]);
+    }
+    w += p.head_bytes;
     for (int64_t j = 0; j < subs; ++j, ++sb) {
       const int64_t k0 = sb * kSub;
       int32_t isum[R][kNr];
@@ -349,7 +402,6 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
         }
       }
     }
-    if constexpr (kZeros) z += kNr;
   }
   const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
   for (int r = 0; r < R; ++r) std::memcpy(p.y + (m0 + r) * p.n + n0, acc[r], cols * sizeof(float));
@@ -358,20 +410,21 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
 
 using BlockFn = void (*)(const Problem&, int64_t, int64_t);
 
-template <class Fmt, bool kZeros, int64_t kSub, int... Rs>
+template <class Fmt, bool kZeros, int64_t kSub, class ST, int... Rs>
 constexpr auto MakeBlockTable(std::integer_sequence<int, Rs...>) {
   if constexpr (Fmt::kInt) {
-    return std::array<BlockFn, sizeof...(Rs)>{&IntBlock<Fmt, kZeros, kSub, Rs + 1>...};
+    return std::array<BlockFn, sizeof...(Rs)>{&IntBlock<Fmt, kZeros, kSub, ST, Rs + 1>...};
   } else {
     return std::array<BlockFn, sizeof...(Rs)>{&Block<Fmt, kZeros, Rs + 1>...};
   }
 }
 
-// kSub: the integer formats' sub-block (32, or 16 when G is not a multiple of 32); unused by the float formats.
-template <class Fmt, bool kZeros, int64_t kSub = kBlock>
+// kSub: the integer formats' sub-block (32, or 16 when G is not a multiple of 32), ST their scales' storage type;
+// both unused by the float formats.
+template <class Fmt, bool kZeros, int64_t kSub = kBlock, class ST = float>
 void Panels(const Problem& p, int64_t begin, int64_t end) {
   static constexpr auto blocks_of =
-      MakeBlockTable<Fmt, kZeros, kSub>(std::make_integer_sequence<int, static_cast<int>(Fmt::kMr)>{});
+      MakeBlockTable<Fmt, kZeros, kSub, ST>(std::make_integer_sequence<int, static_cast<int>(Fmt::kMr)>{});
   for (int64_t panel = begin; panel < end; ++panel) {
     // Row blocks of near-equal size (16 rows: 8 + 8, not 12 + 4): a short block has too few accumulators to hide
     // the FMA latency.
@@ -410,37 +463,36 @@ struct Shared {
 
 using Dims = ffi::Span<const int64_t>;
 
-// Checks the shapes (float formats: x [M, K], w [P, K, 32], y [M, N]; integer formats: w [P, K / 4, kQuad] and the
-// scales [P, K / G, 32] and zeros, the same shape or empty for none) and fills `p`'s sizes.
+// Checks the shapes (float formats: x [M, K], w [P, K, 32], y [M, N]; integer formats: w [P, K / G, head + G / 4 *
+// kQuad] with head = 32 scales (+ 32 zeros) of `scale_bytes` each) and fills `p`'s sizes.
 template <class Fmt>
-ffi::Error Shapes(Dims xd, Dims wd, Dims yd, Dims sd, Dims zd, bool has_zeros, Problem& p) {
+ffi::Error Shapes(Dims xd, Dims wd, Dims yd, int64_t scale_bytes, bool has_zeros, Problem& p) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("matmul: expected x f32[M, K], w [P, K, 32] (f32, bf16) or [P, K / 4, 128 "
-                                       "(int8) or 64 (int4)], y f32[M, N]");
+    return ffi::Error::InvalidArgument("matmul: expected x f32[M, K], w [P, K, 32] (f32, bf16) or [P, K / G, bytes "
+                                       "per group] (int8, int4), y f32[M, N]");
   }
   p.m = xd[0], p.k = xd[1], p.n = yd[1], p.panels = wd[0], p.group = p.k;
   if constexpr (Fmt::kInt) {
-    if (wd[2] != Fmt::kQuad || wd[1] * 4 != p.k || p.k % kBlock != 0) {
-      return ffi::Error::InvalidArgument("matmul: expected w [P, K / 4, 128 (int8) or 64 (int4)] with K a multiple "
-                                         "of 32");
+    if (scale_bytes != 2 && scale_bytes != 4) {
+      return ffi::Error::InvalidArgument("matmul: scale_bytes must be 2 (f16) or 4 (f32)");
+    }
+    if (p.k % kBlock != 0 || wd[1] < 1 || p.k % wd[1] != 0 || (p.k / wd[1]) % 16 != 0) {
+      return ffi::Error::InvalidArgument("matmul: expected w [P, K / G, bytes per group] with K a multiple of 32 and "
+                                         "G a multiple of 16 dividing K");
+    }
+    p.group = p.k / wd[1];
+    p.sub = p.group % kBlock == 0 ? kBlock : 16;
+    p.head_bytes = kNr * scale_bytes * (has_zeros ? 2 : 1);
+    p.group_bytes = p.head_bytes + p.group / 4 * Fmt::kQuad;
+    if (wd[2] != p.group_bytes) {
+      return ffi::Error::InvalidArgument("matmul: w's groups must be 32 scales (+ 32 zeros) of scale_bytes, then G / "
+                                         "4 x 128 (int8) or 64 (int4) bytes of quants");
     }
   } else if (wd[2] != kNr || wd[1] != p.k) {
     return ffi::Error::InvalidArgument("matmul: expected w [P, K, 32] for f32 and bf16");
   }
   if (yd[0] != p.m || wd[0] != (p.n + kNr - 1) / kNr) {
     return ffi::Error::InvalidArgument("matmul: shapes disagree (need P = ceil(N / 32) panels and y [M, N])");
-  }
-  if constexpr (Fmt::kInt) {
-    if (sd.size() != 3 || sd[0] != p.panels || sd[1] < 1 || p.k % sd[1] != 0 || sd[2] != kNr ||
-        (p.k / sd[1]) % 16 != 0) {
-      return ffi::Error::InvalidArgument("matmul: expected scales f32[P, K / G, 32] with G a multiple of 16 dividing "
-                                         "K");
-    }
-    p.group = p.k / sd[1];
-    p.sub = p.group % kBlock == 0 ? kBlock : 16;
-    if (has_zeros && !(zd == sd)) {
-      return ffi::Error::InvalidArgument("matmul: zeros must have the shape of scales (or be f32[0] for none)");
-    }
   }
   return ffi::Error::Success();
 }
@@ -481,22 +533,23 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int6
 template <class Fmt, ffi::DataType kType>
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kType> w,
                      ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  Problem p{x.typed_data(), w.typed_data(), nullptr, nullptr, y->typed_data()};
-  if (auto e = Shapes<Fmt>(x.dimensions(), w.dimensions(), y->dimensions(), {}, {}, false, p); e.failure()) {
+  Problem p{x.typed_data(), w.typed_data(), y->typed_data()};
+  if (auto e = Shapes<Fmt>(x.dimensions(), w.dimensions(), y->dimensions(), 0, false, p); e.failure()) {
     return e;
   }
   return Run(pool, p, &Panels<Fmt, false>, 2, Fmt::kWidenFlops);
 }
 
+template <class Fmt, bool kZeros, class ST>
+PanelsFn IntPanels(int64_t sub) {
+  return sub == kBlock ? &Panels<Fmt, kZeros, kBlock, ST> : &Panels<Fmt, kZeros, 16, ST>;
+}
+
 template <class Fmt, ffi::DataType kType>
 ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kType> w,
-                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> zeros,
-                     ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  const bool has_zeros = zeros.element_count() != 0;
-  Problem p{x.typed_data(), w.typed_data(), scales.typed_data(), has_zeros ? zeros.typed_data() : nullptr,
-            y->typed_data()};
-  if (auto e = Shapes<Fmt>(x.dimensions(), w.dimensions(), y->dimensions(), scales.dimensions(), zeros.dimensions(),
-                          has_zeros, p);
+                     ffi::Result<ffi::Buffer<ffi::F32>> y, int32_t scale_bytes, bool has_zeros) {
+  Problem p{x.typed_data(), w.typed_data(), y->typed_data()};
+  if (auto e = Shapes<Fmt>(x.dimensions(), w.dimensions(), y->dimensions(), scale_bytes, has_zeros, p);
       e.failure()) {
     return e;
   }
@@ -517,8 +570,9 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   }
   p.xq = xq, p.xd = xd, p.xoff = xoff, p.xz = xz;
   // vpdpbusd: 64 multiply-adds per instruction (4 per f32 FMA lane), plus a per-sub-block epilogue.
-  const PanelsFn panels_fn = p.sub == kBlock ? (has_zeros ? &Panels<Fmt, true, kBlock> : &Panels<Fmt, false, kBlock>)
-                                             : (has_zeros ? &Panels<Fmt, true, 16> : &Panels<Fmt, false, 16>);
+  const PanelsFn panels_fn =
+      scale_bytes == 2 ? (has_zeros ? IntPanels<Fmt, true, Half>(p.sub) : IntPanels<Fmt, false, Half>(p.sub))
+                       : (has_zeros ? IntPanels<Fmt, true, float>(p.sub) : IntPanels<Fmt, false, float>(p.sub));
   return Run(pool, p, panels_fn, 1, Fmt::kWidenFlops);
 }
 
@@ -538,9 +592,9 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                                     .Ctx<ffi::ThreadPool>()                          \
                                     .Arg<ffi::Buffer<ffi::F32>>() /* x */            \
                                     .Arg<ffi::Buffer<type>>()     /* w (packed) */   \
-                                    .Arg<ffi::Buffer<ffi::F32>>() /* scales */       \
-                                    .Arg<ffi::Buffer<ffi::F32>>() /* zeros or f32[0] */ \
-                                    .Ret<ffi::Buffer<ffi::F32>>()); /* y */
+                                    .Ret<ffi::Buffer<ffi::F32>>() /* y */            \
+                                    .Attr<int32_t>("scale_bytes")                    \
+                                    .Attr<bool>("has_zeros"));
 
 JAXSERVE_DENSE(JaxserveMatmul, F32, ffi::F32)
 JAXSERVE_DENSE(JaxserveMatmulBf16, Bf16, ffi::BF16)
