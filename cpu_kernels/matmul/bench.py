@@ -71,8 +71,10 @@ def bench_case(K: int, N: int, M: int, rounds: int) -> dict:
     return row
 
 
-def _random_weight(rng, K: int, N: int, fmt: str, group: int, zeros: bool) -> native.PackedLinear:
-    """A random packed weight of about N(0, 1 / K) entries in `fmt` (values, scales and zeros drawn directly)."""
+def _random_weight(rng, K: int, N: int, fmt: str, group: int, zeros: bool,
+                   f16_heads: bool = False) -> native.PackedLinear:
+    """A random packed weight of about N(0, 1 / K) entries in `fmt` (values, scales and zeros drawn directly);
+    `f16_heads`: scales and zeros exactly representable in f16 (as a GGUF file's are), so they pack in 2 bytes."""
     if fmt in ("f32", "bf16"):
         w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
         return native.pack(w if fmt == "f32" else w.astype(ml_dtypes.bfloat16))
@@ -81,8 +83,10 @@ def _random_weight(rng, K: int, N: int, fmt: str, group: int, zeros: bool) -> na
         q, spread, mid = rng.integers(-127, 128, (K, N)).astype(np.int8), 73.0, 0.0
     else:
         q, spread, mid = rng.integers(0, 16, (K, N)).astype(np.uint8), 4.6, 7.5
-    s = (rng.uniform(0.8, 1.2, (K // G, N)) / (spread * np.sqrt(K))).astype(np.float32)
-    return native.pack_quantized(q, s, (-mid * s).astype(np.float32) if zeros else None, bits=8 if fmt == "int8" else 4)
+    head = (lambda a: a.astype(np.float16).astype(np.float32)) if f16_heads else (lambda a: a)  # noqa: E731
+    s = head((rng.uniform(0.8, 1.2, (K // G, N)) / (spread * np.sqrt(K))).astype(np.float32))
+    z = head((-mid * s).astype(np.float32)) if zeros else None
+    return native.pack_quantized(q, s, z, bits=8 if fmt == "int8" else 4)
 
 
 def _step_weights(rng, fmt: str, group: int, zeros: bool) -> tuple[list[dict], native.PackedLinear]:
@@ -148,20 +152,6 @@ COLD_FORMATS = {"bf16": ("bf16", 0, False), "int8, G = 32": ("int8", 32, False),
                 "int4, G = 32 + zeros": ("int4", 32, True)}
 
 
-def _cold_weight(rng, K: int, N: int, fmt: str, group: int, zeros: bool) -> native.PackedLinear:
-    """Like `_random_weight`, with scales and zeros exactly representable in f16 (as a GGUF file's are)."""
-    if fmt in ("f32", "bf16"):
-        return _random_weight(rng, K, N, fmt, group, zeros)
-    G = group or K
-    if fmt == "int8":
-        q, spread, mid = rng.integers(-127, 128, (K, N)).astype(np.int8), 73.0, 0.0
-    else:
-        q, spread, mid = rng.integers(0, 16, (K, N)).astype(np.uint8), 4.6, 7.5
-    s = (rng.uniform(0.8, 1.2, (K // G, N)) / (spread * np.sqrt(K))).astype(np.float16)
-    z = (-mid * s.astype(np.float32)).astype(np.float16).astype(np.float32) if zeros else None
-    return native.pack_quantized(q, s.astype(np.float32), z, bits=8 if fmt == "int8" else 4)
-
-
 def bench_cold(rounds: int) -> list[dict]:
     """M = 1 products against cold weights: per shape and format, one jitted chain over distinct copies (each
     call's input depends on the previous output through one scalar, as in a step); us per call and GB/s (packed
@@ -178,7 +168,7 @@ def bench_cold(rounds: int) -> list[dict]:
     calls, info = {}, {}
     for K, N, fmts, copies in COLD_SHAPES:
         for label in fmts or COLD_FORMATS:
-            ws = [_cold_weight(rng, K, N, *COLD_FORMATS[label]) for _ in range(copies)]
+            ws = [_random_weight(rng, K, N, *COLD_FORMATS[label], f16_heads=True) for _ in range(copies)]
             x = jnp.asarray(rng.standard_normal((1, K)).astype(np.float32))
             calls[(K, N, label)] = (f, (x, ws))
             info[(K, N, label)] = (copies, sum(w.nbytes for w in ws))
