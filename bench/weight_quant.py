@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.common import OUT_DIR, args_record, command_line, machine_info, machine_line, md_table, write_outputs
+from jaxserve.model.llama import LINEAR_FIELDS
 
 # jaxserve rows: label -> (quantization=, GGUF variant the model is read from; None = --model / the default).
 # "none" (float32 on the CPU) is the reference; bf16 / int8 / int4 quantize its float values at load.
@@ -46,7 +47,6 @@ LLAMACPP_ROWS = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K")  # F16 is llama.cpp's re
 # at the nearest bit width (int4 = affine groups of 32 like Q4_1; int4-g64 at 5.0 bits vs Q4_0's 4.5).
 MATCH = {"none": "F16", "bf16": "F16", "int8": "Q8_0", "int4": "Q4_1", "int4-g64": "Q4_0",
          "gguf:Q8_0": "Q8_0", "gguf:Q4_0": "Q4_0", "gguf:Q4_1": "Q4_1", "gguf:Q4_K": "Q4_K"}
-LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""`python -m bench quant` (bench/weight_quant.py) and `bench latency --schemes` (bench/decode.py): the perplexity,
-agreement and noise arithmetic against hand computations, the weight-byte count, the goal column, and the quick run
-end to end on a tiny checkpoint, checked against HF transformers' own logits."""
+"""`python -m bench quant` (bench/weight_quant.py) and `bench latency --schemes` (bench/decode_schemes.py): the
+perplexity, agreement and noise arithmetic against hand computations, the weight-byte count, the goal column, and
+the quick run end to end on a tiny checkpoint, checked against HF transformers' own logits."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from bench import decode
+from bench import decode_schemes
 from bench import weight_quant as wq
 
 LN = math.log
@@ -79,13 +79,13 @@ def test_streamed_weights_counts_linear_maps_and_the_logits_projection():
 
 def test_goal_column():
     row = dict(scheme="int8", batch=1, ratio=1.2, pct_roofline=85.0)
-    assert decode.goal_check(row) == "yes"
-    assert decode.goal_check({**row, "ratio": 0.9}) == "no (0.90x < 1.0x)"
-    assert decode.goal_check({**row, "pct_roofline": 50.0}) == "no (50% < 80% roofline)"
-    assert decode.goal_check({**row, "batch": 16, "ratio": 1.4, "pct_roofline": 10.0}) == "no (1.40x < 1.5x)"
-    assert decode.goal_check({**row, "batch": 16, "ratio": 1.6}) == "yes"
-    assert decode.goal_check({**row, "scheme": "none", "batch": 16}) == "–"  # float32 has no llama.cpp width
-    assert decode.goal_check({**row, "ratio": None}) == "yes"  # no peer ran: only the roofline goal
+    assert decode_schemes.goal_check(row) == "yes"
+    assert decode_schemes.goal_check({**row, "ratio": 0.9}) == "no (0.90x < 1.0x)"
+    assert decode_schemes.goal_check({**row, "pct_roofline": 50.0}) == "no (50% < 80% roofline)"
+    assert decode_schemes.goal_check({**row, "batch": 16, "ratio": 1.4, "pct_roofline": 10.0}) == "no (1.40x < 1.5x)"
+    assert decode_schemes.goal_check({**row, "batch": 16, "ratio": 1.6}) == "yes"
+    assert decode_schemes.goal_check({**row, "scheme": "none", "batch": 16}) == "–"  # float32 has no llama.cpp width
+    assert decode_schemes.goal_check({**row, "ratio": None}) == "yes"  # no peer ran: only the roofline goal
 
 
 def test_quick_run_on_a_tiny_model_matches_hf(tmp_path):

@@ -175,7 +175,7 @@ def pack_linear_weights(weights: Weights) -> Weights:
     if isinstance(weights.layers, LayerWeights):
         raise ValueError("pack_linear_weights needs per-layer weights: call unstack_layers first")
     def pack(w: LayerWeights) -> LayerWeights:
-        out = {f: ops.pack_linear(getattr(w, f)) for f in ("wo", "w_down")}
+        out = {f: ops.pack_linear(getattr(w, f)) for f in LINEAR_FIELDS if not any(f in g for g in FUSED_FIELDS)}
         for fields in FUSED_FIELDS:
             out.update(zip(fields, ops.pack_linears([getattr(w, f) for f in fields])))
         return dataclasses.replace(w, **out)
