@@ -248,9 +248,10 @@ def linears(x: jax.Array, *ws) -> tuple[jax.Array, ...]:
 
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """x: f[T, in] @ w [in, out] -> f[T, out]. `w` is an array (an XLA dot; a bfloat16 weight is widened to x's
-    dtype), a `QuantizedLinear` (the XLA reference: dequantize, then the dot) or a `PackedLinear` (the native CPU
-    matmul, which itself falls back to a dot, with one warning, if its library cannot be loaded)."""
+    """x: f[T, in] @ w [in, out] -> f[T, out]. `w` is an array (an XLA dot; a bfloat16 weight multiplies x
+    rounded to bfloat16, in float32), a `QuantizedLinear` (the XLA reference: dequantize, then the dot) or a
+    `PackedLinear` (the native CPU matmul, which itself falls back to a dot, with one warning, if its library cannot
+    be loaded)."""
     if isinstance(w, PackedLinear):
         return _cpu_matmul.matmul(x, w)
     if isinstance(w, QuantizedLinear):
@@ -263,6 +264,10 @@ def linear(x: jax.Array, w) -> jax.Array:
             # compiler fuses the convert into the GEMM; a scaled operand would be written out as a whole bf16 copy)
             return (x @ w.q.astype(x.dtype)) * w.scales[0].astype(x.dtype)
         return x @ w.dequantize(x.dtype)
+    if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
+        # a bf16 weight multiplies x rounded to bf16, products summed in f32: what a bf16 GEMM computes, and the
+        # native kernel's semantics (`cpu_kernels.matmul.activations`), so both backends serve the same model
+        return x.astype(jnp.bfloat16).astype(jnp.float32) @ w.astype(jnp.float32)
     return x @ w.astype(x.dtype)
 
 

@@ -2,7 +2,9 @@
 
 Decode streams every weight once per step, so bytes per weight set the single-stream ceiling. A scheme says how the
 linear weights (the seven per layer and the logits projection) are stored; norms, biases and the embedding used
-for token lookup stay in the model dtype, and activations stay in the model dtype whatever the scheme.
+for token lookup stay in the model dtype, and so do activations, except at a linear map's input, which is rounded to
+what its weights multiply: bf16 for bf16 weights (what a bf16 GEMM computes; the native CPU kernel's vdpbf16ps),
+int8 per block of 32 for the integer schemes on the native CPU path (as llama.cpp does).
 
     scheme     stored as                                                   from
     none       the model dtype                                              any checkpoint

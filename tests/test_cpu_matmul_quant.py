@@ -1,7 +1,7 @@
 """The native CPU matmul's bf16, int8 and 4-bit formats (`cpu_kernels/matmul`): numerics against a float64 product
-of the dequantized weight (for int8 and int4: times the per-block quantized activations, `fake_quant_activations`),
-the activation quantization bit for bit, batch invariance, the packed layout and `unpack`, validation, the portable
-C++ path, and the XLA fallback."""
+of the dequantized weight and what the kernel multiplies (`activations`: x rounded to bf16, or quantized per block
+for int8 and int4), the activation rounding and quantization bit for bit, batch invariance, the packed layout and
+`unpack`, validation, the portable C++ path, and the XLA fallback."""
 
 from __future__ import annotations
 
@@ -57,10 +57,9 @@ CASES = [(fmt, K, G, z) for fmt in ("int8", "int4") for K, G in ((128, 32), (128
 
 
 def _reference(x: np.ndarray, fmt: str, w: np.ndarray) -> np.ndarray:
-    """float64 product: x @ w (bf16), or the per-block quantized x @ w (int8, int4: what the kernel multiplies)."""
-    if fmt in ("int8", "int4"):
-        x = np.asarray(native.fake_quant_activations(jnp.asarray(x)))
-    return x.astype(np.float64) @ w.astype(np.float64)
+    """float64 product of what the kernel multiplies: x rounded to bf16 (bf16), or quantized per block (int8, int4),
+    times the dequantized weight."""
+    return np.asarray(native.activations(jnp.asarray(x), fmt)).astype(np.float64) @ w.astype(np.float64)
 
 
 @pytest.mark.parametrize("fmt,K,G,zeros", CASES)
@@ -156,18 +155,40 @@ def test_activation_rounding_is_the_only_change(fmt):
 
 
 @pytest.mark.parametrize("fmt,K,G,zeros", CASES)
-def test_bf16_equals_f32_kernel_and_fallback_equals_kernel(fmt, K, G, zeros):
-    """bf16: bit for bit the f32 kernel on the unpacked weight. int8, int4: the XLA expression of the semantics
-    (`fake_quant_activations(x) @ unpack()`, what the fallback computes) within float rounding."""
+def test_fallback_equals_kernel(fmt, K, G, zeros):
+    """The XLA expression of the semantics (`activations(x, fmt) @ unpack()`, what the fallback computes) within
+    float rounding."""
     packed, _ = _weight(fmt, K, 70, G or K, zeros, seed=2)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((13, K)).astype(np.float32))
-    f = jax.jit(native.matmul)
-    if fmt == "bf16":
-        np.testing.assert_array_equal(np.asarray(f(x, packed)), np.asarray(f(x, native.pack(np.asarray(
-            packed.unpack())))))
-    else:
-        xla = jax.jit(lambda x, w: native.fake_quant_activations(x) @ w.unpack())(x, packed)
-        np.testing.assert_allclose(np.asarray(f(x, packed)), np.asarray(xla), rtol=1e-5, atol=2e-6 * np.sqrt(K))
+    xla = jax.jit(lambda x, w: native.activations(x, w.format) @ w.unpack())(x, packed)
+    np.testing.assert_allclose(np.asarray(jax.jit(native.matmul)(x, packed)), np.asarray(xla), rtol=1e-5,
+                               atol=2e-6 * np.sqrt(K))
+
+
+@pytest.mark.parametrize("K", (6, 7, 64))
+def test_bf16_rounds_activations_to_bf16(K):
+    """Against the identity weight (every product exact, every sum with zeros exact) the bf16 kernel returns x
+    rounded to bf16, as `round_to_bf16` computes it: to nearest even (ties included), subnormals flushed to a signed
+    zero. Odd K: the last, unpaired row too."""
+    rng = np.random.default_rng(20)
+    x = rng.standard_normal((5, K)).astype(np.float32) * np.float32(100)
+    x[0, :6] = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3e38, 1e-40, -1e-41]  # two ties, a big one, subnormals
+    x[1, -1] = -(1 + 2**-8)
+    out = np.asarray(jax.jit(native.matmul)(jnp.asarray(x), native.pack(np.eye(K, dtype=ml_dtypes.bfloat16))))
+    np.testing.assert_array_equal(out, np.asarray(native.round_to_bf16(jnp.asarray(x))))
+    np.testing.assert_array_equal(out[0, :6], np.array([1, 1 + 4 * 2**-8, -1, 3e38, 0, 0], ml_dtypes.bfloat16))
+    assert out[1, -1] == -1
+
+
+def test_round_to_bf16():
+    """Nearest even as ml_dtypes rounds normal values; NaN stays NaN, inf inf, overflow becomes inf, and subnormals
+    (which vdpbf16ps reads as zero) a signed zero."""
+    x = np.random.default_rng(21).standard_normal(4096).astype(np.float32) * np.float32(1e3)
+    x[:8] = [np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40, -1e-40, np.finfo(np.float32).tiny]
+    out = np.asarray(jax.jit(native.round_to_bf16)(jnp.asarray(x)))
+    np.testing.assert_array_equal(out[8:], x[8:].astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert np.isnan(out[0]) and list(out[1:5]) == [np.inf, -np.inf, np.inf, -np.inf]
+    assert out[5] == 0 and out[6] == 0 and np.signbit(out[6]) and out[7] == x[7]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -197,6 +218,12 @@ def test_layouts():
     bf16, _ = _weight("bf16", K, N)
     assert bf16.format == "bf16" and bf16.panels.shape == (3, K, 32) and bf16.panels.dtype == jnp.bfloat16
     assert bf16.scales is None and bf16.group == 0 and bf16.shape == (K, N)
+    wb = np.arange(K * N).reshape(K, N).astype(ml_dtypes.bfloat16)  # k pairs per column: [P, K / 2, 32, 2 k]
+    pairs = np.asarray(native.pack(wb).panels).reshape(3, K // 2, 32, 2)
+    np.testing.assert_array_equal(pairs[1, 5, 7], [wb[10, 39], wb[11, 39]])
+    odd = np.asarray(native.pack(wb[:7]).panels)  # an odd K: three pairs, then the last row alone
+    np.testing.assert_array_equal(odd[0, 6], wb[6, :32])
+    np.testing.assert_array_equal(odd[0, :6].reshape(3, 32, 2)[2, 4], wb[4:6, 4])
     q8 = np.random.default_rng(14).integers(-128, 128, (K, N)).astype(np.int8)
     s8 = np.arange(1, 2 * N + 1, dtype=np.float32).reshape(2, N) / 8  # exact in f16
     z8 = -s8 / 4
@@ -357,8 +384,8 @@ def test_falls_back_to_xla_when_the_library_cannot_be_built(fmt, monkeypatch):
         f = jax.jit(native.matmul)
         out = np.asarray(f(jnp.asarray(x), packed))
         np.testing.assert_allclose(out, _reference(x, fmt, w), rtol=1e-5, atol=1e-5 * 8)
-        xla = native.fake_quant_activations if fmt != "bf16" else jnp.asarray
-        np.testing.assert_array_equal(out, np.asarray(jax.jit(lambda a, b: xla(a) @ b)(jnp.asarray(x), jnp.asarray(w))))
+        xla = jax.jit(lambda a, b: native.activations(a, fmt) @ b)
+        np.testing.assert_array_equal(out, np.asarray(xla(jnp.asarray(x), jnp.asarray(w))))
         assert "custom_call" not in f.lower(jnp.asarray(x), packed).as_text()
     finally:
         monkeypatch.undo()

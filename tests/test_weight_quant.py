@@ -91,8 +91,9 @@ def test_bf16_scheme_rounds_once():
     np.testing.assert_allclose(b.astype(np.float32), w, rtol=2**-8)
 
 
-def _hf_with(hf, weights, tied: bool):
-    """The HF model with its linear weights replaced by `weights`' stored (quantized) values, dequantized."""
+def _hf_with(hf, weights, tied: bool, bf16_inputs: bool = False):
+    """The HF model with its linear weights replaced by `weights`' stored (quantized) values, dequantized; with
+    `bf16_inputs`, every linear map's input rounded to bf16 first (what jaxserve's bf16 scheme multiplies)."""
     deq = lambda w: torch.tensor(np.asarray(  # noqa: E731
         w.dequantize() if isinstance(w, quant.QuantizedLinear) else np.asarray(w, np.float32)))
     names = dict(wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj", wo="self_attn.o_proj",
@@ -106,6 +107,10 @@ def _hf_with(hf, weights, tied: bool):
             hf.lm_head.weight = torch.nn.Parameter(deq(weights.lm_head).T.contiguous())
         else:
             hf.lm_head.weight.copy_(deq(weights.lm_head).T)
+    if bf16_inputs:
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).to(torch.float32),))
     return hf
 
 
@@ -113,9 +118,10 @@ def _hf_with(hf, weights, tied: bool):
 @pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
 def test_quantized_model_matches_hf_on_dequantized_weights(tmp_path, variant, scheme):
     """A tiny model under each scheme computes what HF computes with the dequantized weights (logits within 1e-4
-    at prefill and decode), with scanned and unrolled layers (the XLA reference) and, for bf16, native-packed ones
-    (the native int8 / 4-bit kernels also round activations, as llama.cpp does: tests/test_weight_quant_engine.py
-    compares them with the XLA reference of that); and differs from the float model (the scheme is in effect)."""
+    at prefill and decode; for bf16, with each linear map's input rounded to bf16, as a bf16 GEMM does), with
+    scanned and unrolled layers (the XLA reference) and, for bf16, native-packed ones (the native int8 / 4-bit
+    kernels also round activations, as llama.cpp does: tests/test_weight_quant_engine.py compares them with the XLA
+    reference of that); and differs from the float model (the scheme is in effect)."""
     hf = make_tiny_model(variant, str(tmp_path))
     with torch.no_grad():
         float_ref = hf(torch.tensor([[5, 17, 42, 99, 7]])).logits[0].numpy()
@@ -123,7 +129,7 @@ def test_quantized_model_matches_hf_on_dequantized_weights(tmp_path, variant, sc
     for layers in ("scanned", "unrolled") + (("packed",) if scheme == "bf16" else ()):
         m = PagedModel(str(tmp_path), layers=layers, quantization=scheme)
         if layers == "scanned":
-            hf = _hf_with(hf, m.host_weights, tied=variant == "llama_tied")
+            hf = _hf_with(hf, m.host_weights, tied=variant == "llama_tied", bf16_inputs=scheme == "bf16")
             with torch.no_grad():
                 ref = hf(torch.tensor([ids + [3]])).logits[0].numpy()
             assert np.abs(ref[:5] - float_ref).max() > 1e-3, "quantization changed nothing"

@@ -10,7 +10,9 @@ the kernel's layout: panels of 32 columns, each a sequential stream over K, zero
     int8    pack_quantized(q int8, scales, zeros)     int8[P, K / G, B]         q * scales[k // G, n] + zeros[k // G, n]
     int4    pack_quantized(q 0..15, ..., bits=4)      uint8[P, K / G, B]        the same, q 4-bit
 
-P = ceil(N / 32). A PackedLinear has exactly one array (pytree leaf), `panels`: the integer formats interleave each
+P = ceil(N / 32). bf16 panels hold their k rows in pairs, [P, K // 2, 32 columns, 2 k] (an odd K's last row after
+them), the two weights of a column that vdpbf16ps multiplies together in one 32-bit lane.
+A PackedLinear has exactly one array (pytree leaf), `panels`: the integer formats interleave each
 group's scales and zeros with its quants, so a panel is one sequential stream. Per panel and group of G along K, B
 bytes: the group's 32 scales, then its 32 zeros (only with zeros), then its quants (G / 4 x 128 bytes for int8, x 64
 for int4). Scales and zeros (f32[K // G, N]; zeros None = none added) are stored as f16 when every one of them is
@@ -22,14 +24,15 @@ and column j + 16 in its high one. K must be a multiple of 32 and G of 16. Dequa
 product rounded, then the sum (not an FMA).
 
 `matmul(x, packed)` computes `x @ w` for x f32[M, K] with one `jax.ffi.ffi_call`.
-  * f32, bf16: each output element is an in-order FMA chain over K against the exact weights.
+  * f32: each output element is an in-order FMA chain over K against the exact weights.
+  * bf16: x rounded to bf16 (`round_to_bf16`), as a bf16 GEMM computes; each output element is a chain of exact
+    products summed in f32, k pair by k pair (vdpbf16ps).
   * int8, int4 (as llama.cpp does): x is quantized per row and block of 32 k to int8 with one f32 scale d per block
     (`quantize_activations`), products are exact integer dot products (vpdpbusd), and scales are applied once per
     block: y approximates `fake_quant_activations(x) @ unpack()`, float rounding aside.
 Each row is computed the same way whatever M is, so a row's result does not depend on its batch companions. Like the
 attention kernel, the library is built on first use (`cpu_kernels.build`) and `matmul` falls back to XLA (with one
-warning) when it cannot be built: `x @ unpack()` for the float formats, `fake_quant_activations(x) @ unpack()` for the
-integer ones (the kernel's semantics). `unpack()` is also the reference.
+warning) when it cannot be built: `activations(x, format) @ unpack()`, the kernel's semantics, and the reference.
 """
 
 from __future__ import annotations
@@ -125,6 +128,10 @@ class PackedLinear:
         w = self.panels
         if self.quantized:  # the quants after each group's head -> [P, K / 4, bytes per 4 k]
             w = jax.lax.bitcast_convert_type(w, jnp.uint8)[..., self._head_bytes():].reshape(P, K // 4, -1)
+        if self.format == "bf16":  # [P, K // 2, 32, 2 k] (then an odd K's last row) -> [P, K, 32]
+            even = K - K % 2
+            pairs = jnp.swapaxes(w[:, :even].reshape(P, K // 2, PANEL, 2), 2, 3).reshape(P, even, PANEL)
+            w = jnp.concatenate([pairs, w[:, even:]], axis=1)
         if self.format == "int8":  # [P, K / 4, 32 columns, 4 k] bytes of q + 128 -> q [P, K, 32]
             w = w.reshape(P, K // 4, PANEL, 4)
             w = jnp.swapaxes(w, 2, 3).reshape(P, K, PANEL).astype(jnp.int32) - 128
@@ -167,7 +174,12 @@ def pack(w) -> PackedLinear:
     if w.ndim != 2 or w.dtype not in (np.float32, ml_dtypes.bfloat16):
         raise ValueError(f"pack takes an f32[K, N] or bf16[K, N] weight (got {w.shape} {w.dtype}); "
                          "use pack_quantized for int8 and 4-bit weights")
-    return PackedLinear(panels=jnp.asarray(_panels(w)), n=w.shape[1])
+    panels = _panels(w)  # [P, K, 32]
+    if w.dtype == ml_dtypes.bfloat16:  # k pairs interleaved per column: [P, K // 2, 32, 2], then an odd K's last row
+        P, K, _ = panels.shape
+        pairs = panels[:, : K - K % 2].reshape(P, K // 2, 2, PANEL).transpose(0, 1, 3, 2).reshape(P, -1, PANEL)
+        panels = np.concatenate([pairs, panels[:, K - K % 2:]], axis=1)
+    return PackedLinear(panels=jnp.asarray(np.ascontiguousarray(panels)), n=w.shape[1])
 
 
 def pack_quantized(q, scales, zeros=None, bits: int = 8, *, scale_dtype=None) -> PackedLinear:
@@ -248,6 +260,27 @@ def fake_quant_activations(x: jax.Array) -> jax.Array:
     return (xq.reshape(M, K // BLOCK, BLOCK).astype(jnp.float32) * d[..., None]).reshape(M, K)
 
 
+def round_to_bf16(x: jax.Array) -> jax.Array:
+    """x f32 -> f32 holding x rounded to bf16 (nearest even), subnormals flushed to a signed zero: the activations
+    the bf16 format multiplies (kernel.cc's RoundToBf16). Traceable."""
+    u = functools.partial(jnp.asarray, dtype=jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    top = u(0xFFFF0000)
+    rounded = (bits + u(0x7FFF) + ((bits >> 16) & u(1))) & top
+    nan = (bits & u(0x7FFFFFFF)) > u(0x7F800000)
+    tiny = (bits & u(0x7F800000)) == u(0)
+    out = jnp.where(nan, (bits | u(0x00400000)) & top, jnp.where(tiny, bits & u(0x80000000), rounded))
+    return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
+def activations(x: jax.Array, fmt: str) -> jax.Array:
+    """What the kernel multiplies for a weight of format `fmt`: x itself (f32), x rounded to bf16 (bf16), or x
+    quantized per block of 32 (int8, int4: `fake_quant_activations`). Traceable."""
+    if fmt == "bf16":
+        return round_to_bf16(x)
+    return fake_quant_activations(x) if fmt in ("int8", "int4") else x
+
+
 def matmul(x: jax.Array, w: PackedLinear) -> jax.Array:
     """x: f32[M, K] @ w (packed [K, N], any format) -> f32[M, N]; for int8 and int4, x quantized per block of 32
     (module docstring). Traceable."""
@@ -255,7 +288,7 @@ def matmul(x: jax.Array, w: PackedLinear) -> jax.Array:
     if x.ndim != 2 or x.shape[1] != K or x.dtype != jnp.float32:
         raise ValueError(f"matmul takes x f32[M, {K}] (got {x.shape} {x.dtype})")
     if not load():
-        return (fake_quant_activations(x) if w.quantized else x) @ w.unpack()
+        return activations(x, w.format) @ w.unpack()
     call = jax.ffi.ffi_call(TARGETS[w.format][0], jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32),
                             vmap_method="sequential")
     if not w.quantized:

@@ -37,8 +37,7 @@
 //     so y approximates dequant(quant(x)) @ dequant(W), float rounding aside.
 //
 // Measured and not kept (the widening path, before the integer one): summing x * q over a group in f32 and applying
-// the scale once at the group's end -- no faster than dequantizing each weight. Not tried: vdpbf16ps for bf16, which
-// needs x rounded to bf16.
+// the scale once at the group's end -- no faster than dequantizing each weight.
 //
 // M = 1 on cold weights (`python -m cpu_kernels.matmul.bench --cold`: 30 distinct copies per shape in one jitted
 // chain; K x N = 576 x 960, 576 x 576, 576 x 3072, 1536 x 576 in bf16, int8 G = 32, int4 G = 32 + zeros, and
@@ -56,7 +55,7 @@
 //
 // Targets (inputs; the output is y f32[M, N], N its second dimension):
 //   JaxserveMatmul      x f32[M, K], w f32[P, K, 32]
-//   JaxserveMatmulBf16  x f32[M, K], w bf16[P, K, 32]
+//   JaxserveMatmulBf16  x f32[M, K], w bf16[P, K, 32] (k pairs interleaved, above)
 //   JaxserveMatmulInt8  x f32[M, K], w s8[P, K / G, B] (B = head + G / 4 x 128), attributes scale_bytes (s32: 2 or
 //                       4) and has_zeros (pred); G = K / w's second dimension
 //   JaxserveMatmulInt4  x f32[M, K], w u8[P, K / G, B] (B = head + G / 4 x 64), the same attributes
@@ -71,6 +70,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -101,17 +101,18 @@ struct Problem {
   const int32_t* xoff = nullptr;  // s32[M, K / sub]: -128 * sum(xq) per sub-block (int8's offset), else 0
   const float* xz = nullptr;    // f32[M, K / sub]: float(sum(xq)) * d per sub-block (for the zeros)
   int64_t sub = kBlock;
+  // bf16 format: x rounded to bf16 (`RoundRowsBf16`), two consecutive k per 32-bit word: u32[M, ceil(K / 2)].
+  const uint32_t* xb = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Float formats: storage type, elements per k row of a panel, and the widening of one k row to 32 floats (two
-// vectors: columns 0-15 and 16-31; `Value` is the scalar version for the portable path). kMr = rows of x per
-// register block: 2 kMr accumulators + 2 weight vectors + a broadcast <= 32.
+// Float formats: storage type, elements per k row of a panel, kMr = rows of x per register block (2 kMr accumulators
+// + 2 weight vectors + a broadcast <= 32). F32::Widen loads one k row (columns 0-15 and 16-31); Bf16::Widen widens
+// one bf16 exactly.
 struct F32 {
   using T = float;
   static constexpr int64_t kRow = 32, kMr = 12, kWidenFlops = 0;
   static constexpr bool kInt = false;
-  static float Value(const T* w, int64_t j) { return w[j]; }
 #if defined(__AVX512F__)
   static void Widen(const T* w, __m512& lo, __m512& hi) {
     lo = _mm512_loadu_ps(w);
@@ -122,24 +123,39 @@ struct F32 {
 
 struct Bf16 {  // a bf16 is the top half of an f32: shifting its bits left by 16 widens it exactly
   using T = uint16_t;
-  static constexpr int64_t kRow = 32, kMr = 12, kWidenFlops = 2;
+  static constexpr int64_t kRow = 32, kMr = 12, kWidenFlops = 0;
   static constexpr bool kInt = false;
-  static float Value(const T* w, int64_t j) {
-    const uint32_t bits = uint32_t{w[j]} << 16;
+  static float Widen(T v) {
+    const uint32_t bits = uint32_t{v} << 16;
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
   }
-#if defined(__AVX512F__)
-  static void Widen(const T* w, __m512& lo, __m512& hi) {
-    const auto load = [](const T* p) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-    };
-    lo = load(w);
-    hi = load(w + 16);
-  }
-#endif
 };
+
+// x rounded to bf16 for the bf16 format: to nearest even, NaN stays a (quiet) NaN, and zero or subnormal inputs
+// become a signed zero (vdpbf16ps reads subnormal inputs as zero; flushing here makes every path agree). Integer
+// arithmetic, so the same bits whatever the build or the MXCSR.
+inline uint16_t RoundToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7F800000u) == 0) return static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Rows of x [M, K] -> bf16 pairs u32[M, ceil(K / 2)] (word kq: k = 2 kq in its low half, 2 kq + 1 in its high
+// half; an odd K's last word has a zero high half).
+void RoundRowsBf16(const float* x, int64_t m, int64_t k, uint32_t* xb) {
+  const int64_t words = (k + 1) / 2;
+  for (int64_t r = 0; r < m; ++r, x += k, xb += words) {
+    for (int64_t kq = 0; kq < words; ++kq) {
+      const uint32_t hi = 2 * kq + 1 < k ? RoundToBf16(x[2 * kq + 1]) : 0;
+      xb[kq] = uint32_t{RoundToBf16(x[2 * kq])} | hi << 16;
+    }
+  }
+}
 
 #if defined(__AVX512F__)
 // Rows [m0, m0 + R) x panel p. R is a compile-time constant so the accumulators are registers.
@@ -184,10 +200,92 @@ void Block(const Problem& p, int64_t panel, int64_t m0) {
   const float* x = p.x + m0 * p.k;
   for (int64_t k = 0; k < p.k; ++k, w += Fmt::kRow) {
     float b[kNr];
-    for (int64_t j = 0; j < kNr; ++j) b[j] = Fmt::Value(w, j);
+    for (int64_t j = 0; j < kNr; ++j) b[j] = w[j];
     for (int r = 0; r < R; ++r) {
       const float a = x[r * p.k + k];
       for (int64_t j = 0; j < kNr; ++j) acc[r][j] = std::fma(a, b[j], acc[r][j]);
+    }
+  }
+  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
+  for (int r = 0; r < R; ++r) std::memcpy(p.y + (m0 + r) * p.n + n0, acc[r], cols * sizeof(float));
+}
+#endif
+
+// bf16: a panel holds its k rows in pairs, [K / 2][32 columns][2 k] (then, for an odd K, the last row [32] alone),
+// so one 32-bit lane holds a column's two weights of a pair, as vdpbf16ps takes them. Per pair and row, with x's
+// pair broadcast: acc = fma(x[2kq + 1], w[2kq + 1], acc), then acc = fma(x[2kq], w[2kq], acc) -- vdpbf16ps's order
+// (each product of two bf16 is exact in f32), measured on this machine kind to be bit for bit two FMAs in that
+// order; the other paths do exactly that. An odd K's last row: one FMA with the widened weight.
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+inline __m512 PairFma(__m512 acc, __m512i x2, __m512i w2) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)x2, (__m512bh)w2);
+}
+#else
+inline __m512 PairFma(__m512 acc, __m512i x2, __m512i w2) {  // the same two FMAs, on widened halves
+  const __m512i lo = _mm512_set1_epi32(0xFFFF0000);
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x2, lo)), _mm512_castsi512_ps(_mm512_and_si512(w2, lo)),
+                        acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x2, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(w2, 16)),
+                         acc);
+}
+#endif
+
+template <int R>
+void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const uint16_t* w = static_cast<const uint16_t*>(p.w) + panel * p.k * kNr;
+  const int64_t pairs = p.k / 2, words = (p.k + 1) / 2;
+  const uint32_t* xb = p.xb + m0 * words;
+  for (int64_t kq = 0; kq < pairs; ++kq, w += 2 * kNr) {
+    const __m512i b0 = _mm512_loadu_si512(w), b1 = _mm512_loadu_si512(w + kNr);
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(xb[r * words + kq]));
+      acc0[r] = PairFma(acc0[r], a, b0);
+      acc1[r] = PairFma(acc1[r], a, b1);
+    }
+  }
+  if (p.k % 2) {
+    const auto widen = [](const uint16_t* q) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)q)), 16));
+    };
+    const __m512 b0 = widen(w), b1 = widen(w + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(Bf16::Widen(static_cast<uint16_t>(xb[r * words + pairs])));
+      acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
+    }
+  }
+  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
+  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 hi = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    _mm512_mask_storeu_ps(y, lo, acc0[r]);
+    _mm512_mask_storeu_ps(y + 16, hi, acc1[r]);
+  }
+}
+#else
+template <int R>
+void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
+  float acc[R][kNr] = {};
+  const uint16_t* w = static_cast<const uint16_t*>(p.w) + panel * p.k * kNr;
+  const int64_t pairs = p.k / 2, words = (p.k + 1) / 2;
+  for (int64_t kq = 0; kq < pairs; ++kq, w += 2 * kNr) {
+    for (int r = 0; r < R; ++r) {
+      const uint32_t x2 = p.xb[(m0 + r) * words + kq];
+      const float x0 = Bf16::Widen(static_cast<uint16_t>(x2)), x1 = Bf16::Widen(static_cast<uint16_t>(x2 >> 16));
+      for (int64_t j = 0; j < kNr; ++j) {
+        acc[r][j] = std::fma(x1, Bf16::Widen(w[2 * j + 1]), acc[r][j]);
+        acc[r][j] = std::fma(x0, Bf16::Widen(w[2 * j]), acc[r][j]);
+      }
+    }
+  }
+  if (p.k % 2) {
+    for (int r = 0; r < R; ++r) {
+      const float a = Bf16::Widen(static_cast<uint16_t>(p.xb[(m0 + r) * words + pairs]));
+      for (int64_t j = 0; j < kNr; ++j) acc[r][j] = std::fma(a, Bf16::Widen(w[j]), acc[r][j]);
     }
   }
   const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
@@ -414,6 +512,8 @@ template <class Fmt, bool kZeros, int64_t kSub, class ST, int... Rs>
 constexpr auto MakeBlockTable(std::integer_sequence<int, Rs...>) {
   if constexpr (Fmt::kInt) {
     return std::array<BlockFn, sizeof...(Rs)>{&IntBlock<Fmt, kZeros, kSub, ST, Rs + 1>...};
+  } else if constexpr (std::is_same_v<Fmt, Bf16>) {
+    return std::array<BlockFn, sizeof...(Rs)>{&PairBlock<Rs + 1>...};
   } else {
     return std::array<BlockFn, sizeof...(Rs)>{&Block<Fmt, kZeros, Rs + 1>...};
   }
@@ -536,6 +636,16 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   Problem p{x.typed_data(), w.typed_data(), y->typed_data()};
   if (auto e = Shapes<Fmt>(x.dimensions(), w.dimensions(), y->dimensions(), 0, false, p); e.failure()) {
     return e;
+  }
+  if constexpr (std::is_same_v<Fmt, Bf16>) {
+    // x rounded once per call, into this thread's scratch (kept between calls); vdpbf16ps: 2 multiply-adds per
+    // f32 lane and instruction, no widening of the weights.
+    thread_local std::vector<uint32_t> scratch;
+    const size_t words = static_cast<size_t>(p.m * ((p.k + 1) / 2));
+    if (scratch.size() < words) scratch.resize(words);
+    RoundRowsBf16(p.x, p.m, p.k, scratch.data());
+    p.xb = scratch.data();
+    return Run(pool, p, &Panels<Fmt, false>, 1, 0);
   }
   return Run(pool, p, &Panels<Fmt, false>, 2, Fmt::kWidenFlops);
 }
