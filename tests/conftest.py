@@ -32,7 +32,8 @@ SLOW_FILES_FIRST = (
     "test_engine.py",  # 45
     "test_weight_quant.py",  # 45
     "test_trainer_multihost.py",  # 40
-    "test_eagle3_training.py",  # 40
+    "test_trainer_mesh.py",  # 50
+    "test_eagle3_training.py",  # 45
     "test_gguf.py",  # 40
     "test_bench_collectives.py",  # 40
 )

@@ -1,8 +1,14 @@
 """EAGLE-3 trainer: the TTT forward against the serving head (step 0, and steps 1..3 along a drafted chain), the
 draft-vocabulary maths, stored features against the serving forward, training that learns, and export -> load_eagle3
--> lossless speculative serving. Tiny random targets, nothing downloaded."""
+-> lossless speculative serving; runs spread over several processes: a resumed training run (Orbax checkpoint, stop
+requests) equals one run bit for bit, resumed feature extraction equals one extraction byte for byte, regenerate's
+resume survives a torn line. Tiny random targets, nothing downloaded."""
 
 import dataclasses
+import itertools
+import os
+import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +25,9 @@ from jaxserve.model.eagle3 import Eagle3Weights, draft_logits, eagle3_forward
 from jaxserve.model.layers import argmax
 from jaxserve.model.llama import compute_logits, forward
 from training.eagle3 import ttt
+from training.eagle3.checkpoint import StopRequests
 from training.eagle3.features import FeatureStore, TargetFeatures, extract
+from training.eagle3.regenerate import completed
 from training.eagle3.train import TrainConfig, Trainer, head_config
 from training.eagle3.ttt import TTTBatch, ttt_logits
 from training.eagle3.vocab import build_vocab, coverage, draft_vocab_ids, token_counts, vocab_mapping
@@ -252,3 +260,162 @@ def test_exported_head_names_its_verifier(tmp_path):
     assert verifier_name(default_model_path()) == DEFAULT_VERIFIER
     assert verifier_name(str(tmp_path)) == str(tmp_path)
     assert verifier_name("no/such/model") == "no/such/model"
+
+
+# ---- runs spread over several processes ------------------------------------------------------------------------------
+
+# 100 steps of ~10 batches per epoch: a run stopped at 50 resumes on an epoch boundary, one stopped at 23 inside an
+# epoch. Records at 7, 14, .., 98, 100: the stats of record 56 straddle a restart at 50 (and of 28, one at 23).
+RESUME = dict(max_steps=100, log_every=7)
+
+
+def _leaves(params) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def _records(log) -> list[dict]:
+    """The logged records less their timing, which differs between runs; everything else is computed."""
+    return [{k: v for k, v in r.items() if k != "sec_per_step"} for r in log]
+
+
+@pytest.fixture(scope="module")
+def one_run(dataset):
+    """100 steps in one go: what every run split over several processes must reproduce exactly."""
+    tr = _trainer(dataset[1], **RESUME)
+    log = tr.train()
+    assert tr.stop_signal is None and len(log) == 15
+    return _records(log), _leaves(tr.params)
+
+
+@pytest.fixture(scope="module")
+def stopped_at_50(dataset, tmp_path_factory):
+    """A run told to stop after 50 of its 100 steps, checkpointing every 20 steps and keeping 2 checkpoints."""
+    out = str(tmp_path_factory.mktemp("resume") / "run")
+    tr = _trainer(dataset[1], **RESUME, save_every=20, keep_checkpoints=2)
+    log = tr.train(out, stop_after=50)
+    return out, _records(log)
+
+
+def _assert_equals_one_run(tr, log, one_run):
+    ref_log, ref_params = one_run
+    assert _records(log) == ref_log
+    for got, want in zip(_leaves(tr.params), ref_params, strict=True):
+        assert np.array_equal(got, want)
+
+
+def test_two_runs_equal_one_run(dataset, one_run, stopped_at_50, tmp_path):
+    """50 steps, then a new trainer that restores the checkpoint from disk and runs the other 50 == 100 steps in one
+    go: every parameter bit and every logged record, the earlier run's included."""
+    src, first_log = stopped_at_50
+    assert first_log == one_run[0][:7]  # records 7 .. 49
+    assert sorted(os.listdir(os.path.join(src, "checkpoints")), key=int) == ["40", "50"]  # 20: pruned (keep 2)
+    assert {"step-20", "step-40"} <= set(os.listdir(src))  # a head per periodic checkpoint
+    assert not os.path.exists(os.path.join(src, "config.json"))  # a stopped run exports no final head
+    out = str(tmp_path / "run")
+    shutil.copytree(src, out)
+    tr = _trainer(dataset[1], **RESUME)
+    log = tr.train(out, resume=True)
+    _assert_equals_one_run(tr, log, one_run)
+    assert tr.stop_signal is None and os.path.exists(os.path.join(out, "config.json"))
+
+
+def test_sigterm_checkpoints_the_step_and_resume_finishes_the_run(dataset, one_run, tmp_path, monkeypatch):
+    """SIGTERM arriving during step 23 (while its batch is assembled): the step completes, step 23 is checkpointed,
+    train returns without exporting and puts the old handler back; a new trainer resumes and finishes the run exactly
+    as one go does."""
+    out = str(tmp_path / "run")
+    tr = _trainer(dataset[1], **RESUME)
+    batches, assemble_batch = itertools.count(1), tr._batch
+
+    def batch_then_sigterm(plan):
+        if next(batches) == 23:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return assemble_batch(plan)
+
+    monkeypatch.setattr(tr, "_batch", batch_then_sigterm)
+    handler = signal.getsignal(signal.SIGTERM)
+    log = tr.train(out)
+    assert tr.stop_signal == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is handler
+    assert _records(log) == one_run[0][:3]  # records 7, 14, 21
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["23"]
+    assert not os.path.exists(os.path.join(out, "config.json"))
+    tr = _trainer(dataset[1], **RESUME)
+    log = tr.train(out, resume=True)
+    _assert_equals_one_run(tr, log, one_run)
+
+
+def test_a_second_signal_acts_as_before():
+    """The first SIGINT only asks for a stop; the handler is then put back, so a second one interrupts at once."""
+    handler = signal.getsignal(signal.SIGINT)
+    with StopRequests() as stop:
+        assert not stop.requested()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested() and stop.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_resume_refuses_another_run(dataset, stopped_at_50, tmp_path):
+    """A resume whose settings change what a step computes is refused naming the setting, before anything is
+    written; so are --resume with nothing to resume and a fresh run over a run's checkpoints."""
+    src, _ = stopped_at_50
+    store = dataset[1]
+    with pytest.raises(ValueError, match=r"cannot resume from .*\(step 50\): it belongs to a different run "
+                                         r"\(lr: 0.003 there, 0.002 here; max_steps: 100 there, 120 here\)"):
+        _trainer(store, **RESUME | dict(lr=2e-3, max_steps=120)).train(src, resume=True)
+    with pytest.raises(ValueError, match=r"holds a run's checkpoints \(up to step 50\): pass --resume"):
+        _trainer(store, **RESUME).train(src)
+    with pytest.raises(ValueError, match="resume: no checkpoint in"):
+        _trainer(store, **RESUME).train(str(tmp_path / "empty"), resume=True)
+    assert sorted(os.listdir(os.path.join(src, "checkpoints")), key=int) == ["40", "50"]
+
+
+def test_features_resume_where_a_run_stopped(target, dataset, tmp_path, monkeypatch):
+    """Extraction that dies after 10 samples resumes with the 11th and ends byte-equal to one uninterrupted
+    extraction; a complete directory is returned as it is; another sample set is refused, not overwritten."""
+    samples, store = dataset
+    tf = TargetFeatures(target, aux_layer_ids=AUX, max_len=64, len_buckets=(32, 64))
+    run_target, calls = TargetFeatures.__call__, []
+
+    def dies_after_10(self, tokens):
+        if len(calls) == 10:
+            raise RuntimeError("killed")
+        calls.append(len(tokens))
+        return run_target(self, tokens)
+
+    path = str(tmp_path / "feats")
+    monkeypatch.setattr(TargetFeatures, "__call__", dies_after_10)
+    with pytest.raises(RuntimeError, match="killed"):
+        extract(samples, tf, path, log_every=0)
+    assert not os.path.exists(os.path.join(path, "meta.json"))
+    with pytest.raises(FileNotFoundError, match="run `python -m training.eagle3 features` first"):
+        FeatureStore.open(path)  # a partial directory is not mistaken for features
+
+    def counts(self, tokens):
+        calls.append(len(tokens))
+        return run_target(self, tokens)
+
+    monkeypatch.setattr(TargetFeatures, "__call__", counts)
+    calls.clear()
+    meta = extract(samples, tf, path, log_every=0)
+    assert len(calls) == len(samples) - 10  # only the samples the first run did not finish
+    got = FeatureStore.open(path)
+    assert meta == got.meta == store.meta and not os.path.exists(os.path.join(path, "progress.json"))
+    for f in dataclasses.fields(FeatureStore):
+        if f.name != "meta":
+            assert np.array_equal(getattr(got, f.name), getattr(store, f.name)), f.name
+    calls.clear()
+    assert extract(samples, tf, path, log_every=0) == meta and calls == []
+    with pytest.raises(ValueError, match="holds features of other samples or another target"):
+        extract(samples[:5], tf, path, log_every=0)
+
+
+def test_regenerate_resume_cuts_a_torn_last_line(tmp_path):
+    """A run killed in the middle of writing a reply leaves half a line; the next run must cut it off before it
+    appends, or its first reply would join that half and neither would parse."""
+    path = tmp_path / "replies.jsonl"
+    path.write_text('{"index": 3, "output_token_ids": [1]}\n{"index": 0, "output_token_ids": [2]}\n{"index": 5, "ou')
+    assert completed(str(path)) == {0, 3}
+    assert path.read_text().endswith("[2]}\n")
+    assert completed(str(tmp_path / "absent.jsonl")) == set()

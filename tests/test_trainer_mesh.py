@@ -1,7 +1,9 @@
 """EAGLE-3 trainer data parallelism on 8 simulated CPU devices: training sharded over dp (dp2, dp3, dp8) equals the
 unsharded trainer step for step -- the loss, the TTT counts and the updated parameters -- on batches whose rows
 divide dp and batches whose rows do not (padded with empty rows); the batch really is split over the devices;
-meshes the trainer cannot run fail at start naming the field; `python -m training.eagle3 train --mesh` runs.
+meshes the trainer cannot run fail at start naming the field; `python -m training.eagle3 train --mesh` runs; a dp2
+run resumed from its Orbax checkpoint equals one dp2 run bit for bit, the checkpoint restoring onto the mesh, and a
+one-device checkpoint restores onto dp2.
 
 jax fixes its device count when it starts, so everything runs in one subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8; the tests read its JSON report.
@@ -30,6 +32,7 @@ import jax
 import numpy as np
 from tiny_models import make_tiny_model
 from training.eagle3.__main__ import main
+from training.eagle3.checkpoint import Checkpoints
 from training.eagle3.features import FeatureStore, TargetFeatures, extract
 from training.eagle3.train import TrainConfig, Trainer, make_optimizer
 
@@ -100,6 +103,38 @@ main(["train", "--features", feats, "--out", out, "--mesh", "dp8", "--max-steps"
       "--ttt-steps", "1", "--draft-vocab-size", "128", "--len-buckets", "32", "--win-buckets", "16",
       "--eval-frac", "0"])
 report["cli_export"] = sorted(os.listdir(out))
+
+
+def train(mesh, out=None, **kw):  # 4 steps of train(); kw: stop_after or resume
+    tr = Trainer(store, config(max_steps=4), mesh=mesh)
+    return tr, tr.train(out, **kw)
+
+
+def leaves(params):
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def restore_on_dp2(out):  # the latest checkpoint in `out`, restored onto the arrays a dp2 trainer resumes with
+    fresh = Trainer(store, config(max_steps=4), mesh="dp2")
+    like = dict(params=fresh.params, opt_state=fresh.init_opt_state(make_optimizer(fresh.tc, 4)))
+    restored = Checkpoints(os.path.join(out, "checkpoints"), 3).restore_state(2, like)
+    return restored, all(a.sharding == b.sharding and len(a.sharding.device_set) == 2
+                         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True))
+
+
+ref, ref_log = train("dp2")
+out = os.path.join(tmp, "resume_dp2")
+train("dp2", out, stop_after=2)
+_, on_mesh = restore_on_dp2(out)
+tr, log = train("dp2", out, resume=True)
+report["resume_dp2"] = dict(
+    restored_on_mesh=on_mesh, losses=[r["loss"] for r in log], ref_losses=[r["loss"] for r in ref_log],
+    bit_equal=all(np.array_equal(a, b) for a, b in zip(leaves(tr.params), leaves(ref.params), strict=True)))
+out = os.path.join(tmp, "resume_one_device")
+one, _ = train(None, out, stop_after=2)
+restored, on_mesh = restore_on_dp2(out)
+report["one_device_on_dp2"] = dict(restored_on_mesh=on_mesh, bit_equal=all(
+    np.array_equal(a, b) for a, b in zip(leaves(restored["params"]), leaves(one.params), strict=True)))
 print(json.dumps(report))
 """
 
@@ -160,3 +195,16 @@ def test_meshes_the_trainer_cannot_run_fail_naming_the_field(report):
 
 def test_cli_trains_and_exports_on_a_mesh(report):
     assert {"config.json", "model.safetensors"} <= set(report["cli_export"])
+
+
+def test_a_dp_run_resumes_from_its_checkpoint_bit_for_bit(report):
+    """dp2: 2 steps, a new trainer restoring the checkpoint onto its replicated arrays, 2 more == 4 dp2 steps."""
+    r = report["resume_dp2"]
+    assert r["restored_on_mesh"] and r["bit_equal"] and r["losses"] == r["ref_losses"] and len(r["losses"]) == 4
+
+
+def test_a_one_device_checkpoint_restores_onto_a_mesh(report):
+    """Saved on one device, restored replicated over dp2 with the same values (a resumed dp2 step then equals the
+    one-device step as far as test_sharded_steps_equal_the_unsharded_steps says)."""
+    r = report["one_device_on_dp2"]
+    assert r["restored_on_mesh"] and r["bit_equal"]

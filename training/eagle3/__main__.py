@@ -4,6 +4,11 @@
     features    JSONL -> feature directory (target aux features, final hidden, argmax, loss mask)
     train       feature directory -> trained head, exported in speculators format (+ held-out evaluation)
     eval        an exported head + a feature directory -> per-position accuracy and implied acceptance length
+
+Every step can be spread over several runs: run `regenerate` or `features` again with the same arguments and it
+goes on from what the last run wrote; `train --resume` continues from the latest checkpoint in OUT/checkpoints/
+(written every --save-every steps and on SIGTERM / Ctrl-C); `eval` only reads. Progress bars with an ETA are drawn
+on a terminal; the log lines are the record in a file.
 """
 
 from __future__ import annotations
@@ -68,7 +73,16 @@ def _train_config(a):
     return TrainConfig(lr=a.lr, epochs=a.epochs, max_steps=a.max_steps, batch_tokens=a.batch_tokens,
                        ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab_size, len_buckets=a.len_buckets,
                        win_buckets=a.win_buckets,
-                       eval_frac=a.eval_frac, log_every=a.log_every, save_every=a.save_every, seed=a.seed)
+                       eval_frac=a.eval_frac, log_every=a.log_every, save_every=a.save_every,
+                       keep_checkpoints=a.keep_checkpoints, seed=a.seed)
+
+
+def _print_acceptance(result: dict, num_samples: int) -> None:
+    """The held-out result as the JSON line scripts parse ("[eval] held-out {...}"), then the summary a person reads."""
+    print("[eval] held-out", json.dumps(result))
+    acc = " / ".join(f"{x:.3f}" for x in result["acc"])
+    print(f"[eval] {num_samples} held-out samples: mean acceptance length tau {result['tau']:.2f}, accuracy per "
+          f"draft step {acc}", flush=True)
 
 
 def train(argv) -> None:
@@ -78,7 +92,8 @@ def train(argv) -> None:
     d = TrainConfig()
     ap = argparse.ArgumentParser(prog="python -m training.eagle3 train")
     ap.add_argument("--features", required=True)
-    ap.add_argument("--out", required=True, help="directory for the exported head (checkpoints in OUT/step-N)")
+    ap.add_argument("--out", required=True, help="directory for the exported head; Orbax checkpoints go to "
+                    "OUT/checkpoints/STEP, a head per checkpoint to OUT/step-STEP")
     ap.add_argument("--model", default=None, help="target (default: the one recorded in the features)")
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--epochs", type=float, default=d.epochs)
@@ -90,15 +105,22 @@ def train(argv) -> None:
     ap.add_argument("--win-buckets", type=_ints, default=d.win_buckets)
     ap.add_argument("--eval-frac", type=float, default=d.eval_frac)
     ap.add_argument("--log-every", type=int, default=d.log_every)
-    ap.add_argument("--save-every", type=int, default=d.save_every)
+    ap.add_argument("--save-every", type=int, default=d.save_every,
+                    help="steps between checkpoints (0: only when stopped by SIGTERM or Ctrl-C)")
+    ap.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="the newest N are kept")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --out from its latest checkpoint (same settings and features)")
     ap.add_argument("--seed", type=int, default=d.seed)
     _add_parallel_args(ap)
     a = ap.parse_args(argv)
     _init_processes(a)
     tr = Trainer(FeatureStore.open(a.features), _train_config(a), a.model, mesh=a.mesh)
-    tr.train(a.out)
+    tr.train(a.out, resume=a.resume)
+    if tr.stop_signal is not None:
+        print("[train] to continue: the same command with --resume", flush=True)
+        raise SystemExit(128 + tr.stop_signal)  # the status a shell gives a process the signal ended: not done
     if len(tr.eval_ids):
-        print("[eval] held-out", json.dumps(tr.evaluate()))
+        _print_acceptance(tr.evaluate(), len(tr.eval_ids))
 
 
 def evaluate(argv) -> None:

@@ -7,11 +7,15 @@ r0 + W > T: the extra chains predict prompt tokens and are masked). Samples are 
 batches hold B = max(1, batch_tokens // max(W, T // 4)) rows (batch_tokens counts trained window positions, with
 long prompts charged a quarter of their padded length for the step-0 pass); a last partial batch is filled with
 empty rows (length 0: every mask false).
+
+Training takes the batches from a `BatchStream`: every epoch re-plans (reshuffles) the training samples with one
+generator, and the stream's position is small enough to checkpoint.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +59,48 @@ def plan_batches(store: FeatureStore, sample_ids, *, num_steps: int, len_buckets
     if rng is not None:
         rng.shuffle(plans)
     return plans
+
+
+class BatchStream:
+    """The training batches in order: epoch after epoch, each planned by `plan(rng)` with one generator seeded `seed`.
+
+    `position()` -> {epoch, taken, rng_state}: the epochs started, the batches taken from the current one, and the
+    generator's state before that epoch was planned. `seek(position)` plans the epoch again from that state and skips
+    the batches taken, which leaves the generator where it was: the rest of the stream is the one the saved run would
+    have drawn, batch for batch.
+    """
+
+    def __init__(self, plan: Callable[[np.random.Generator], list[BatchPlan]], seed: int):
+        self._plan = plan
+        self._rng = np.random.default_rng(seed)
+        self._epoch_start = self._rng.bit_generator.state
+        self._pending: list[BatchPlan] = []
+        self.epoch, self.taken = 0, 0
+
+    def next(self) -> BatchPlan:
+        if not self._pending:
+            self._epoch_start = self._rng.bit_generator.state
+            self._pending = self._plan(self._rng)
+            if not self._pending:
+                raise ValueError("an epoch has no batches: no training samples")
+            self.epoch, self.taken = self.epoch + 1, 0
+        self.taken += 1
+        return self._pending.pop()
+
+    def position(self) -> dict:
+        return dict(epoch=self.epoch, taken=self.taken, rng_state=self._epoch_start)
+
+    def seek(self, position: dict) -> None:
+        self._rng.bit_generator.state = position["rng_state"]
+        self._epoch_start, self._pending = position["rng_state"], []
+        self.epoch, self.taken = position["epoch"], 0
+        if self.epoch:
+            self._pending = self._plan(self._rng)
+            if not 0 <= position["taken"] <= len(self._pending):
+                raise ValueError(f"data position {position['taken']} is past the {len(self._pending)} batches of "
+                                 "the epoch: the samples or the batch settings changed")
+            del self._pending[len(self._pending) - position["taken"]:]  # next() pops from the end
+            self.taken = position["taken"]
 
 
 def assemble(store: FeatureStore, plan: BatchPlan, num_steps: int, len_buckets, win_buckets) -> TTTBatch:

@@ -10,13 +10,19 @@ ones serving computes. Per token p of every sample we store:
   target_argmax.npy  i32[N]      the target's greedy next token after p, over the full vocabulary
   is_output.npy      u8[N]       1 where token p is an output token (the loss mask of the token it is)
   index.npz          offsets i64[S], lengths i32[S], prompt_lens i32[S]   (sample s = rows offsets[s]:+lengths[s])
-  meta.json          model, aux_layer_ids, hidden_size, vocab_size, max_len, num_samples, num_tokens
+  meta.json          model, aux_layer_ids, hidden_size, vocab_size, max_len, num_samples, num_tokens, fingerprint
 
 Samples longer than `max_len` are cut at the end; samples left without output tokens are skipped.
+
+Resumable: while it runs, progress.json names the samples whose rows are on disk (rewritten every few seconds, and on
+the way out of an exception or Ctrl-C), so a run that stopped goes on from there when started again with the same
+samples and target. meta.json is written last and marks a complete directory. `fingerprint` (a digest of the samples'
+tokens and the target) decides what "the same" is; a directory holding other features is refused, not overwritten.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -34,8 +40,10 @@ from jaxserve.loader.eagle3 import default_aux_layer_ids
 from jaxserve.loader.weights import to_weights
 from jaxserve.model.layers import argmax
 from jaxserve.model.llama import compute_logits, forward
+from training.eagle3.progress import bar, duration, say
 
 PAGE_SIZE = 16
+COMMIT_SECONDS = 10.0  # progress.json is rewritten at most this often: what a killed run recomputes
 
 
 def read_jsonl(path: str, limit: int | None = None) -> list[dict]:
@@ -105,8 +113,26 @@ def _fp16(x: np.ndarray, what: str) -> np.ndarray:
     return y
 
 
+def _fingerprint(seqs: list[tuple[list[int], int]], target: TargetFeatures) -> str:
+    """A digest of everything the stored features depend on: the target, its aux layers, max_len and every sample's
+    (tokens, prompt length)."""
+    h = hashlib.sha256(json.dumps([target.path, list(target.aux_layer_ids), target.max_len]).encode())
+    h.update(np.array([P for _, P in seqs], np.int64).tobytes())
+    h.update(np.array([len(ids) for ids, _ in seqs], np.int64).tobytes())
+    h.update(np.concatenate([np.asarray(ids, np.int64) for ids, _ in seqs]).tobytes())
+    return h.hexdigest()
+
+
+def _write_json(path: str, obj: dict) -> None:
+    """Replace `path` atomically: a reader (or a resumed run) sees the old file or the new one, never half of one."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def extract(samples: list[dict], target: TargetFeatures, out_dir: str, log_every: int = 20) -> dict:
-    """Run the target over every sample and write the feature directory (layout in the module docstring)."""
+    """Run the target over every sample and write the feature directory (layout and resuming in the module
+    docstring); returns its meta.json. `log_every`: samples between log lines (0: none)."""
     seqs = []
     for r in samples:
         p, o = list(r["prompt_token_ids"]), list(r["output_token_ids"])
@@ -115,35 +141,78 @@ def extract(samples: list[dict], target: TargetFeatures, out_dir: str, log_every
             seqs.append((ids, len(p)))
     if not seqs:
         raise ValueError("no sample has an output token within max_len")
+    fingerprint = _fingerprint(seqs, target)
     lengths = np.array([len(s) for s, _ in seqs], np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)[:-1]])
     N, D = int(lengths.sum()), target.cfg.hidden_size
     os.makedirs(out_dir, exist_ok=True)
-    mm = np.lib.format.open_memmap
-    aux = mm(os.path.join(out_dir, "aux.npy"), "w+", np.float16, (N, 3 * D))
-    hid = mm(os.path.join(out_dir, "hidden.npy"), "w+", np.float16, (N, D))
-    toks = mm(os.path.join(out_dir, "tokens.npy"), "w+", np.int32, (N,))
-    am = mm(os.path.join(out_dir, "target_argmax.npy"), "w+", np.int32, (N,))
-    is_out = mm(os.path.join(out_dir, "is_output.npy"), "w+", np.uint8, (N,))
-    t0 = time.perf_counter()
-    for s, (ids, P) in enumerate(seqs):
-        a, h, g = target(ids)
-        sl = slice(int(offsets[s]), int(offsets[s]) + len(ids))
-        aux[sl], hid[sl] = _fp16(a, "an aux feature"), _fp16(h, "a final hidden state")
-        toks[sl], am[sl] = ids, g
-        is_out[sl] = np.arange(len(ids)) >= P
-        if log_every and (s + 1) % log_every == 0:
-            dt = time.perf_counter() - t0
-            done = int(offsets[s]) + len(ids)
-            print(f"[features] {s + 1}/{len(seqs)} samples, {done} tokens, {done / dt:.0f} tok/s", flush=True)
-    for a in (aux, hid, toks, am, is_out):
-        a.flush()
+    meta_path, progress_path = os.path.join(out_dir, "meta.json"), os.path.join(out_dir, "progress.json")
+
+    def refuse(record: str) -> ValueError:
+        return ValueError(f"{out_dir} holds features of other samples or another target (its {record} has another "
+                          "fingerprint); write to a new --out, or delete it to start over")
+
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("fingerprint") != fingerprint:
+            raise refuse("meta.json")
+        say(f"[features] {out_dir} is complete ({meta['num_samples']} samples)")
+        return meta
+    done = 0
+    if os.path.exists(progress_path):
+        with open(progress_path) as f:
+            saved = json.load(f)
+        if saved["fingerprint"] != fingerprint:
+            raise refuse("progress.json")
+        done = saved["done"]
+        say(f"[features] resuming {out_dir}: {done} of {len(seqs)} samples done")
+    mode = "r+" if done else "w+"
+
+    def mm(name: str, dtype, shape: tuple[int, ...]) -> np.memmap:
+        return np.lib.format.open_memmap(os.path.join(out_dir, name), mode, dtype, shape)
+
+    aux = mm("aux.npy", np.float16, (N, 3 * D))
+    hid = mm("hidden.npy", np.float16, (N, D))
+    toks = mm("tokens.npy", np.int32, (N,))
+    am = mm("target_argmax.npy", np.int32, (N,))
+    is_out = mm("is_output.npy", np.uint8, (N,))
+    arrays = (aux, hid, toks, am, is_out)
+
+    def commit(num_done: int) -> None:  # rows first, then the record that they are there
+        for a in arrays:
+            a.flush()
+        _write_json(progress_path, dict(fingerprint=fingerprint, done=num_done))
+
+    t0, t_commit, tokens = time.perf_counter(), time.perf_counter(), 0
+    try:
+        with bar(len(seqs), desc="features", unit="sample", initial=done) as progress:
+            for s in range(done, len(seqs)):
+                ids, P = seqs[s]
+                a, h, g = target(ids)
+                sl = slice(int(offsets[s]), int(offsets[s]) + len(ids))
+                aux[sl], hid[sl] = _fp16(a, "an aux feature"), _fp16(h, "a final hidden state")
+                toks[sl], am[sl] = ids, g
+                is_out[sl] = np.arange(len(ids)) >= P
+                done, tokens = s + 1, tokens + len(ids)
+                progress.update()
+                if time.perf_counter() - t_commit > COMMIT_SECONDS:
+                    commit(done)
+                    t_commit = time.perf_counter()
+                if log_every and done % log_every == 0:
+                    dt = time.perf_counter() - t0
+                    left = int(offsets[-1]) + int(lengths[-1]) - int(offsets[s]) - len(ids)
+                    say(f"[features] {done}/{len(seqs)} samples, {int(offsets[s]) + len(ids)} tokens, "
+                        f"{tokens / dt:.0f} tok/s, eta {duration(left * dt / tokens)}")
+    finally:  # an exception or Ctrl-C keeps what is done: the rows of samples < done are complete
+        commit(done)
     np.savez(os.path.join(out_dir, "index.npz"), offsets=offsets, lengths=lengths,
              prompt_lens=np.array([P for _, P in seqs], np.int32))
     meta = dict(model=target.path, aux_layer_ids=list(target.aux_layer_ids), hidden_size=D,
-                vocab_size=target.cfg.vocab_size, max_len=target.max_len, num_samples=len(seqs), num_tokens=N)
-    with open(os.path.join(out_dir, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+                vocab_size=target.cfg.vocab_size, max_len=target.max_len, num_samples=len(seqs), num_tokens=N,
+                fingerprint=fingerprint)
+    _write_json(meta_path, meta)
+    os.remove(progress_path)
     return meta
 
 

@@ -13,7 +13,8 @@ benchmarks use, so a head trained on this file is evaluated on prompts it never 
     .venv/bin/python -m training.eagle3.regenerate --num-prompts 1200 --out data/eagle3/smollm2.jsonl
 
 Output: one JSON object per line, in the order replies finish: {"index": i, "prompt_token_ids": [...],
-"output_token_ids": [...], "chat": bool}. An interrupted run resumes: prompts already in `--out` are skipped.
+"output_token_ids": [...], "chat": bool}. An interrupted run resumes: prompts already in `--out` are skipped (a line
+a killed run left half written is cut off first).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import argparse
 import json
 import os
 import time
+
+from training.eagle3.progress import bar, duration, say
 
 
 def build_prompts(tokenizer, num: int, skip: int, seed: int = 0) -> list[tuple[list[int], bool]]:
@@ -38,6 +41,19 @@ def build_prompts(tokenizer, num: int, skip: int, seed: int = 0) -> list[tuple[l
             ids = r.prompt_token_ids
         out.append((ids, chat))
     return out
+
+
+def completed(path: str) -> set[int]:
+    """The prompt indices an earlier run wrote to `path`. A killed run may have left half a line at the end: it is
+    cut off, or the next run's first record would be appended to it and both would be lost."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb+") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            f.truncate(end)
+    return {json.loads(line)["index"] for line in data[:end].splitlines() if line.strip()}
 
 
 def main(argv=None) -> None:
@@ -57,18 +73,19 @@ def main(argv=None) -> None:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=1024)
     prompts = build_prompts(llm.get_tokenizer(), args.num_prompts, args.skip)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    done = set()
-    if os.path.exists(args.out):  # resume: keep what an earlier run wrote
-        with open(args.out) as f:
-            done = {json.loads(line)["index"] for line in f if line.strip()}
+    done = completed(args.out)  # resume: keep what an earlier run wrote
     engine = llm.llm_engine
-    for i, (ids, chat) in enumerate(prompts):
-        if i not in done:
-            params = (SamplingParams(temperature=0, max_tokens=args.chat_max_tokens) if chat else
-                      SamplingParams(temperature=0, max_tokens=args.raw_max_tokens, ignore_eos=True))
-            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    t0, tokens, finished = time.perf_counter(), 0, len(done)
-    with open(args.out, "a") as f:
+    todo = [i for i in range(len(prompts)) if i not in done]
+    for i in todo:
+        ids, chat = prompts[i]
+        params = (SamplingParams(temperature=0, max_tokens=args.chat_max_tokens) if chat else
+                  SamplingParams(temperature=0, max_tokens=args.raw_max_tokens, ignore_eos=True))
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    if done:
+        say(f"[regenerate] resuming {args.out}: {len(prompts) - len(todo)} of {len(prompts)} prompts done")
+    t0, tokens, finished = time.perf_counter(), 0, 0
+    with open(args.out, "a") as f, bar(len(prompts), desc="regenerate", unit="prompt",
+                                       initial=len(prompts) - len(todo)) as progress:
         # continuous batching over all prompts; each reply is written as it ends
         while engine.has_unfinished_requests():
             for o in engine.step():
@@ -79,10 +96,13 @@ def main(argv=None) -> None:
                 f.write(json.dumps({"index": i, "prompt_token_ids": ids, "output_token_ids": out_ids,
                                     "chat": chat}) + "\n")
                 tokens, finished = tokens + len(out_ids), finished + 1
+                progress.update()
                 if finished % 32 == 0:
                     f.flush()
-                    print(f"[regenerate] {finished}/{len(prompts)} prompts, {tokens} new tokens, "
-                          f"{tokens / (time.perf_counter() - t0):.0f} tok/s", flush=True)
+                    dt = time.perf_counter() - t0
+                    say(f"[regenerate] {len(prompts) - len(todo) + finished}/{len(prompts)} prompts, {tokens} new "
+                        f"tokens, {tokens / dt:.0f} tok/s, eta {duration(dt * (len(todo) - finished) / finished)}")
+
 
 if __name__ == "__main__":
     main()

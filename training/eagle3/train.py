@@ -16,6 +16,10 @@ float additions. `batch_tokens` is the global batch. A plan's rows are padded to
 pick `batch_tokens` so the planner's row counts divide dp to waste nothing. Host arrays are placed shard by shard
 (`jax.make_array_from_callback`), so the mesh, built over `jax.devices()`, may span processes once they are
 initialised; every process then assembles the same global batch and process 0 alone exports.
+
+Resuming (checkpoint.py): with an output directory, the loop writes an Orbax checkpoint of everything the next step
+depends on every `save_every` steps and when asked to stop (SIGTERM, SIGINT, `stop_after`); `train(resume=True)`
+restores the latest one onto this trainer's arrays and continues, bit for bit the run that stopped.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -37,9 +42,11 @@ from jaxserve.loader import load_checkpoint
 from jaxserve.loader.eagle3 import load_eagle3
 from jaxserve.loader.weights import to_weights
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights
-from training.eagle3.batches import BatchPlan, assemble, plan_batches
+from training.eagle3.batches import BatchPlan, BatchStream, assemble, plan_batches
+from training.eagle3.checkpoint import CHECKPOINTS, Checkpoints, StopRequests, check_same_run, run_identity
 from training.eagle3.export import export_speculators
 from training.eagle3.features import FeatureStore
+from training.eagle3.progress import bar, duration, say
 from training.eagle3.ttt import VocabArrays, acceptance, ttt_loss
 from training.eagle3.vocab import build_vocab, coverage, token_counts, vocab_mapping
 
@@ -60,7 +67,8 @@ class TrainConfig:
     win_buckets: tuple[int, ...] = (168, 264)  # regenerate.py: raw replies 160 tokens, chat <= 256
     eval_frac: float = 0.05
     log_every: int = 10
-    save_every: int = 0  # steps between checkpoints (0: only the final export)
+    save_every: int = 0  # steps between checkpoints (+ a head in OUT/step-N); 0: only on a stop request
+    keep_checkpoints: int = 3  # the newest checkpoints kept
     num_speculative_tokens: int = 3  # written into the exported config
     seed: int = 0
 
@@ -236,10 +244,12 @@ class Trainer:
         """Summed TTT stats over `ids` (default: the held-out split) -> acceptance() summary."""
         params = self.params if params is None else params
         ids = self.eval_ids if ids is None else ids
-        total = None
-        for plan in self._plans(ids):
-            s = self._eval_step(params, self.embed, self.vocab, self._batch(plan))
-            total = s if total is None else jax.tree.map(jnp.add, total, s)
+        total, plans = None, self._plans(ids)
+        with bar(len(plans), desc="eval", unit="batch", quiet=jax.process_index() != 0) as progress:
+            for plan in plans:
+                s = self._eval_step(params, self.embed, self.vocab, self._batch(plan))
+                total = s if total is None else jax.tree.map(jnp.add, total, s)
+                progress.update()
         if total is None:
             raise ValueError("no samples to evaluate")
         return acceptance(jax.device_get(total))
@@ -261,41 +271,98 @@ class Trainer:
         return jax.jit(functools.partial(self._train_step_fn, tx=tx), donate_argnums=(0, 1),
                        **self._out_replicated())
 
-    def train(self, out_dir: str | None = None) -> list[dict]:
-        """Run the loop; returns the logged records (step, loss, acc per TTT step, seconds per step)."""
+    def identity(self) -> dict:
+        """What a checkpoint of this run records to refuse a resume by a different one (`check_same_run`)."""
+        return run_identity(dataclasses.asdict(self.tc), self.store.meta, self.draft_ids)
+
+    def train(self, out_dir: str | None = None, *, resume: bool = False, stop_after: int | None = None) -> list[dict]:
+        """Run the loop and export the head to `out_dir`; returns the logged records (step, loss, acc per TTT step,
+        tau, seconds per step), a resumed run's earlier records included.
+
+        With `out_dir`, checkpoints go to OUT/checkpoints/ every `save_every` steps and when a stop is requested:
+        SIGTERM or SIGINT (at the end of the step the signal arrives in), or the step count reaching `stop_after`. A
+        stopped run exports nothing and returns at once; `self.stop_signal` is the signal that stopped it, if one did.
+        `resume`: continue from the latest checkpoint, which must exist and belong to this run (same TrainConfig
+        less checkpoint.FREE_FIELDS, same features and draft vocabulary); without it, existing checkpoints are an
+        error rather than something to overwrite. The mesh may change on resume: a dp mesh's step equals the
+        one-device step up to the order of float additions (module docstring), so only bit-equality is lost."""
         tc = self.tc
-        rng = np.random.default_rng(tc.seed)
         per_epoch = len(self._plans(self.train_ids))
         total = tc.max_steps if tc.max_steps is not None else max(1, int(round(tc.epochs * per_epoch)))
+        self.stop_signal = None
+        ckpts = Checkpoints(os.path.join(out_dir, CHECKPOINTS), tc.keep_checkpoints) if out_dir else None
+        try:
+            return self._train(ckpts, out_dir, total, per_epoch, resume, stop_after)
+        finally:
+            if ckpts is not None:
+                ckpts.close()
+
+    def _train(self, ckpts, out_dir, total, per_epoch, resume, stop_after) -> list[dict]:
+        tc = self.tc
+        latest = None if ckpts is None else ckpts.latest_step()
+        if resume and latest is None:
+            where = "no output directory" if ckpts is None else f"no checkpoint in {ckpts.directory}"
+            raise ValueError(f"resume: {where}; train without --resume to start the run")
+        if not resume and latest is not None:
+            raise ValueError(f"{ckpts.directory} holds a run's checkpoints (up to step {latest}): pass --resume to "
+                             "continue it, or train into a new --out")
+        meta = None
+        if resume:
+            meta = ckpts.meta(latest)
+            check_same_run(meta["identity"], self.identity(), f"{ckpts.directory} (step {latest})")
         tx = make_optimizer(tc, total)
         step_fn, opt_state = self.train_step(tx), self.init_opt_state(tx)
-        print(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples, {per_epoch} batches per "
-              f"epoch, {total} steps", flush=True)
+        stream = BatchStream(functools.partial(self._plans, self.train_ids), tc.seed)
+        log, acc_stats, step = [], None, 0
+        if meta is not None:
+            state = ckpts.restore_state(latest, dict(params=self.params, opt_state=opt_state))
+            self.params, opt_state = state["params"], state["opt_state"]
+            step, log = meta["step"], meta["log"]
+            stream.seek(meta["data"])
+            if meta["acc_stats"] is not None:
+                acc_stats = self._replicate({k: np.asarray(v, np.float32) for k, v in meta["acc_stats"].items()})
+            say(f"[train] resumed from {ckpts.directory} at step {step}/{total} (epoch {stream.epoch}, "
+                f"{stream.taken} batches into it)")
+        say(f"[train] {len(self.train_ids)} train / {len(self.eval_ids)} eval samples, {per_epoch} batches per "
+            f"epoch, {total} steps")
         if self.mesh is not None:
             epoch = self._plans(self.train_ids)
             rows, padded = sum(p.rows for p in epoch), sum(self.padded(p).rows for p in epoch)
-            print(f"[train] mesh {self.mesh_config.name or self.mesh_config.shape}: data parallel over {self.dp} "
-                  f"devices; {padded - rows} of {padded} rows per epoch are dp padding (raise --batch-tokens so "
-                  "batches divide dp)", flush=True)
-        log, acc_stats, plans, step, t_last = [], None, [], 0, time.perf_counter()
-        while step < total:
-            if not plans:
-                plans = self._plans(self.train_ids, rng)
-            batch = self._batch(plans.pop())
-            self.params, opt_state, loss, stats = step_fn(self.params, opt_state, self.embed, self.vocab, batch)
-            acc_stats = stats if acc_stats is None else jax.tree.map(jnp.add, acc_stats, stats)
-            step += 1
-            if step % tc.log_every == 0 or step == total:
-                a = acceptance(jax.device_get(acc_stats))
-                steps_since = tc.log_every if step % tc.log_every == 0 else step % tc.log_every
-                dt = (time.perf_counter() - t_last) / steps_since
-                rec = dict(step=step, loss=float(loss), acc=a["acc"], tau=a["tau"], sec_per_step=dt)
-                log.append(rec)
-                print(f"[train] step {step}/{total} loss {float(loss):.3f} acc "
-                      f"{' '.join(f'{x:.3f}' for x in a['acc'])} tau {a['tau']:.2f} {dt:.2f} s/step", flush=True)
-                acc_stats, t_last = None, time.perf_counter()
-            if out_dir and tc.save_every and step % tc.save_every == 0:
-                self.export(os.path.join(out_dir, f"step-{step}"))
+            say(f"[train] mesh {self.mesh_config.name or self.mesh_config.shape}: data parallel over {self.dp} "
+                f"devices; {padded - rows} of {padded} rows per epoch are dp padding (raise --batch-tokens so "
+                "batches divide dp)")
+        t_last, step_last = time.perf_counter(), step
+        with StopRequests() as stop, bar(total, desc="train", unit="step", initial=step,
+                                         quiet=jax.process_index() != 0) as progress:
+            while step < total:
+                batch = self._batch(stream.next())
+                self.params, opt_state, loss, stats = step_fn(self.params, opt_state, self.embed, self.vocab, batch)
+                acc_stats = stats if acc_stats is None else jax.tree.map(jnp.add, acc_stats, stats)
+                step += 1
+                progress.update()
+                if step % tc.log_every == 0 or step == total:
+                    a = acceptance(jax.device_get(acc_stats))
+                    dt = (time.perf_counter() - t_last) / (step - step_last)
+                    log.append(dict(step=step, loss=float(loss), acc=a["acc"], tau=a["tau"], sec_per_step=dt))
+                    progress.set_postfix(loss=f"{float(loss):.3f}", tau=f"{a['tau']:.2f}")
+                    say(f"[train] step {step}/{total} loss {float(loss):.3f} acc "
+                        f"{' '.join(f'{x:.3f}' for x in a['acc'])} tau {a['tau']:.2f} {dt:.2f} s/step, "
+                        f"eta {duration(dt * (total - step))}")
+                    acc_stats, t_last, step_last = None, time.perf_counter(), step
+                stopping = stop.requested() or step == stop_after
+                if ckpts is not None and (stopping or tc.save_every and step % tc.save_every == 0):
+                    ckpts.save(step, dict(params=self.params, opt_state=opt_state), dict(
+                        step=step, data=stream.position(), log=log, identity=self.identity(),
+                        acc_stats=None if acc_stats is None else
+                        {k: np.asarray(v).tolist() for k, v in jax.device_get(acc_stats).items()}))
+                if out_dir and tc.save_every and step % tc.save_every == 0:
+                    self.export(os.path.join(out_dir, f"step-{step}"))
+                if stopping and step < total:
+                    self.stop_signal = stop.signum
+                    why = "stop_after" if stop.signum is None else signal.Signals(stop.signum).name
+                    saved = f"checkpoint in {ckpts.directory}" if ckpts else "nothing saved (no output directory)"
+                    say(f"[train] {why}: stopped at step {step}/{total}; {saved}")
+                    return log
         if out_dir:
             self.export(out_dir)
         return log
