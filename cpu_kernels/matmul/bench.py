@@ -44,10 +44,13 @@ SHAPES = [("q, o proj", 576, 576), ("k, v proj", 576, 192), ("gate, up proj", 57
           ("logits (tied embed)", 576, 49152)]
 ROWS = (1, 16, 64, 256)
 STEP_ROWS = (1, 16, 64)
-# The integer formats' numbers before activation quantization, quoted in the doc.
+# Numbers before the integer formats' activation quantization, and before bf16's vdpbf16ps, quoted in the doc.
 BEFORE = ("Before (int8 / int4 widened to f32 in registers, f32 FMAs; commit 3b3778c, copy bandwidth 22.2 GB/s), "
           "native ms median per step: M = 1: int8 G = K 11.4, int8 G = 32 12.7, int4 G = 32 + zeros 11.0 (41-54% of "
-          "copy bandwidth); M = 16: 37.6, 42.4, 41.3; M = 64: 112.5, 113.1, 123.1 (f32: 26.1, 51.3, 114.7).")
+          "copy bandwidth); M = 16: 37.6, 42.4, 41.3; M = 64: 112.5, 113.1, 123.1 (f32: 26.1, 51.3, 114.7). "
+          "bf16 before vdpbf16ps (weights widened exactly in registers, f32 FMAs on float activations; the previous "
+          "run of this benchmark, on a loaded machine): M = 1 / 16 / 64: 14.3 / 68.5 / 259.7 ms, against f32's "
+          "23.1 / 73.7 / 240.0 in the same run.")
 # weight format label -> (format, group G (0: one group = K), zeros)
 STEP_FORMATS = {"f32": ("f32", 0, False), "bf16": ("bf16", 0, False), "int8, G = K": ("int8", 0, False),
                 "int8, G = 32": ("int8", 32, False), "int4, G = 32 + zeros": ("int4", 32, True)}
@@ -108,8 +111,9 @@ def _chain(x, layers, head, mm):
 
 
 def _xla_matmul(x, w: native.PackedLinear):
-    """What `matmul` computes, in XLA (its fallback): x @ unpack(), x quantized per block first for int8 and int4."""
-    return (native.fake_quant_activations(x) if w.quantized else x) @ w.unpack()
+    """What `matmul` computes, in XLA (its fallback): x @ unpack(), x rounded to bf16 (bf16) or quantized per block
+    (int8, int4) first."""
+    return native.activations(x, w.format) @ w.unpack()
 
 
 def bench_steps(M: int, rounds: int, weights: dict) -> list[dict]:
@@ -249,8 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         "# CPU matmul: native FFI kernel vs XLA dot\n\n"
         "SmolLM2-135M's linear maps, x f32[M, K] @ w[K, N], w packed in 32-column panels as f32, bf16, int8 or 4-bit "
         "(scales and zeros per group of G along K, f16 when exact, else f32, interleaved with the quants). "
-        "f32 and bf16: weights widened in registers, then the f32 FMA "
-        "loop. int8 and int4: **activations quantized per row and block of 32 k to int8 (d = max|x| / 127), as "
+        "f32: the f32 FMA loop. bf16: activations rounded to bf16, vdpbf16ps on panels holding each column's k pairs "
+        "together (exact products summed in f32). int8 and int4: **activations quantized per row and block of 32 k "
+        "to int8 (d = max|x| / 127), as "
         "llama.cpp does**, integer dot products with vpdpbusd (4 k per 32-bit lane), scales and zeros applied per "
         "block of 32 in f32: y approximates `fake_quant_activations(x) @ unpack()` (relative error vs unquantized "
         "activations ~0.5%). `python -m cpu_kernels.matmul.bench`.\n\n"
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         "GB/s = packed bytes (values + scales + zeros) / "
         f"median time; copy bandwidth {copy_GBps:.1f} GB/s (np.copyto read + write, median of "
         f"{len(bandwidth)} measurements between the row counts). XLA = a dot against f32 weights (row f32) or "
-        "against `unpack()` (the fallback; for int8 and int4 of the quantized activations), in the same jitted chain. "
+        "against `unpack()` (the fallback; for bf16, int8 and int4 of the rounded or quantized activations), in the "
+        "same jitted chain. "
         "Max abs diff = native vs XLA at the chain's end (30 layers of random weights amplify rounding differences; "
         "the per-product agreement is tested in tests/test_cpu_matmul_quant.py).\n\n"
         f"{step_table}\n\n"
