@@ -158,6 +158,19 @@ void RoundRowsBf16(const float* x, int64_t m, int64_t k, uint32_t* xb) {
 }
 
 #if defined(__AVX512F__)
+// y[m0 .. m0 + R, the panel's columns] = the accumulators (columns 0-15, 16-31); masked past N in the last panel.
+template <int R>
+inline void StoreRows(const Problem& p, int64_t panel, int64_t m0, const __m512* acc0, const __m512* acc1) {
+  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
+  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 hi = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    _mm512_mask_storeu_ps(y, lo, acc0[r]);
+    _mm512_mask_storeu_ps(y + 16, hi, acc1[r]);
+  }
+}
+
 // Rows [m0, m0 + R) x panel p. R is a compile-time constant so the accumulators are registers.
 template <class Fmt, bool kZeros, int R>
 void Block(const Problem& p, int64_t panel, int64_t m0) {
@@ -174,22 +187,7 @@ void Block(const Problem& p, int64_t panel, int64_t m0) {
       acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
     }
   }
-  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
-  if (cols == kNr) {
-    for (int r = 0; r < R; ++r) {
-      float* y = p.y + (m0 + r) * p.n + n0;
-      _mm512_storeu_ps(y, acc0[r]);
-      _mm512_storeu_ps(y + 16, acc1[r]);
-    }
-  } else {  // the last panel of an N that is not a multiple of 32
-    const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-    const __mmask16 hi = cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-    for (int r = 0; r < R; ++r) {
-      float* y = p.y + (m0 + r) * p.n + n0;
-      _mm512_mask_storeu_ps(y, lo, acc0[r]);
-      _mm512_mask_storeu_ps(y + 16, hi, acc1[r]);
-    }
-  }
+  StoreRows<R>(p, panel, m0, acc0, acc1);
 }
 #else
 // Portable version: the same per-element FMA chain order (std::fma keeps one rounding per step, like the vector FMA).
@@ -257,14 +255,7 @@ void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
       acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
     }
   }
-  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
-  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 hi = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    float* y = p.y + (m0 + r) * p.n + n0;
-    _mm512_mask_storeu_ps(y, lo, acc0[r]);
-    _mm512_mask_storeu_ps(y + 16, hi, acc1[r]);
-  }
+  StoreRows<R>(p, panel, m0, acc0, acc1);
 }
 #else
 template <int R>
@@ -453,14 +444,7 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
       }
     }
   }
-  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
-  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 hi = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    float* y = p.y + (m0 + r) * p.n + n0;
-    _mm512_mask_storeu_ps(y, lo, acc0[r]);
-    _mm512_mask_storeu_ps(y + 16, hi, acc1[r]);
-  }
+  StoreRows<R>(p, panel, m0, acc0, acc1);
 }
 #else
 // Portable version: the same exact integer sums and the same float operations in the same order.
