@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from cpu_kernels import matmul as _cpu_matmul
 from cpu_kernels import ragged_paged_attention as _cpu_rpa
+from cpu_kernels import row_stats as _cpu_row_stats
 from jaxserve import sharding
 from jaxserve.config import BACKEND_ENV, EngineConfig
 from jaxserve.quant import QuantizedLinear, concat_columns
@@ -62,6 +63,12 @@ class Backends:
         if self.matmul not in MATMUL_BACKENDS:
             raise ValueError(f"Backends.matmul must be one of {', '.join(MATMUL_BACKENDS)} (got {self.matmul!r}); "
                              "resolve 'auto' with resolve_backends")
+
+    @property
+    def native_cpu(self) -> bool:
+        """Whether the step runs jaxserve's native CPU kernels (its attention is the native one); the sampler's
+        per-row maximum, argmax and normaliser then run natively too (`cpu_kernels.row_stats`)."""
+        return self.attention == "native"
 
     @classmethod
     def default(cls, *, packed_weights: bool = False) -> Backends:
@@ -269,6 +276,13 @@ def linear(x: jax.Array, w) -> jax.Array:
         # native kernel's semantics (`cpu_kernels.matmul.activations`), so both backends serve the same model
         return x.astype(jnp.bfloat16).astype(jnp.float32) @ w.astype(jnp.float32)
     return x @ w.astype(x.dtype)
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------
+
+# logits f32[R, V] -> (max, first argmax, log-sum-exp below the max, holds NaN / +inf), each [R]: one native CPU pass
+# (XLA twin when the library cannot be built); the sampler uses it when `Backends.native_cpu`
+row_stats = _cpu_row_stats.row_stats
 
 
 # --- KV quantization ------------------------------------------------------------------------------------------

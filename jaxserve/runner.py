@@ -68,12 +68,12 @@ def step_fn(
     elif batch.prompt_targets is None:
         logits = compute_logits(weights, h[inputs.logits_indices])
         sampled = sample(logits, batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids,
-                         mesh=backends.mesh)
+                         mesh=backends.mesh, native_stats=backends.native_cpu)
         out = (rows.pack(sampled), None)
     else:
         all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
         sampled = sample(all_logits[inputs.logits_indices], batch.sampling, max_logprobs=max_logprobs,
-                         draft_ids=batch.draft_ids, mesh=backends.mesh)
+                         draft_ids=batch.draft_ids, mesh=backends.mesh, native_stats=backends.native_cpu)
         lp = prompt_logprobs(all_logits, batch.prompt_targets, max_logprobs=max_logprobs, mesh=backends.mesh)
         out = (rows.pack(sampled), prompt_rows.pack(lp))
     if hidden_layer_ids:

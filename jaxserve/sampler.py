@@ -351,7 +351,8 @@ def _verify_split(scaled, greedy, is_random, draft_ids, uniform, gumbel, vocab: 
 
 
 def sample(
-    logits: jax.Array, s: SamplingInputs, *, max_logprobs: int, draft_ids: jax.Array | None = None, mesh=None
+    logits: jax.Array, s: SamplingInputs, *, max_logprobs: int, draft_ids: jax.Array | None = None, mesh=None,
+    native_stats: bool = False,
 ) -> SamplerOutput:
     """logits: f32[S, V] -> SamplerOutput.
 
@@ -360,28 +361,40 @@ def sample(
     accepted, else the token to emit if the sequence's walk stops at this row.
     `mesh`: the step's tensor-parallel mesh (None: one device); with tp > 1 dividing V, vocabulary-parallel (module
     docstring). Same results either way, up to the order of summation in the normalisers.
+    `native_stats` (CPU, one device): each row's maximum, greedy argmax, normaliser and non-finite check come from
+    one native pass (`cpu_kernels.row_stats`) instead of XLA:CPU's several; the same tokens, logprobs equal to float
+    rounding.
     """
     vocab = _split_vocab(mesh, logits.shape[-1])
     if vocab is None:
-        return _sample(logits, s, draft_ids, max_logprobs=max_logprobs, vocab=_Vocab(logits.shape[-1]))
+        return _sample(logits, s, draft_ids, max_logprobs=max_logprobs, vocab=_Vocab(logits.shape[-1]),
+                       native_stats=native_stats)
     body = functools.partial(_sample, max_logprobs=max_logprobs, vocab=vocab)
     return jax.shard_map(body, mesh=mesh, in_specs=(P(None, vocab.axis), P(), P()), out_specs=P(),
                          check_vma=False)(logits, s, draft_ids)
 
 
-def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _Vocab) -> SamplerOutput:
+def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _Vocab,
+            native_stats: bool = False) -> SamplerOutput:
     """`sample` on a vocabulary slice: logits f32[S, Vl] (Vl = V unless split); every output is whole."""
-    nonfinite = vocab.any(jnp.isnan(logits) | (logits == jnp.inf))
-    logits = logits.astype(jnp.float32)
+    native_stats = native_stats and vocab.axis is None
+    if native_stats:
+        logits = logits.astype(jnp.float32)
+        m, _, log_z, nonfinite = ops.row_stats(logits)
+    else:
+        nonfinite = vocab.any(jnp.isnan(logits) | (logits == jnp.inf))
+        logits = logits.astype(jnp.float32)
     S, Vl = logits.shape
-    ids = vocab.ids(Vl)
 
-    x = logits.at[jnp.arange(S)[:, None], vocab.local(s.banned, Vl)].set(-jnp.inf, mode="drop")
+    def ban(x):  # a scatter copies the whole of x: only in steps where some row bans tokens
+        return x.at[jnp.arange(S)[:, None], vocab.local(s.banned, Vl)].set(-jnp.inf, mode="drop")
+
+    x = lax.cond(jnp.any(s.banned >= 0), ban, lambda x: x, logits)
     needs_penalty = jnp.any((s.repetition_penalty != 1) | (s.frequency_penalty != 0) | (s.presence_penalty != 0))
     x = lax.cond(needs_penalty, functools.partial(_penalise, vocab=vocab), lambda x, _: x, x, s)
 
     is_random = s.temperature > 0
-    greedy = vocab.argmax(x)
+    greedy = ops.row_stats(x)[1] if native_stats else vocab.argmax(x)
 
     def tempered(x, s):  # only in steps with a random row: greedy steps skip a pass over the vocabulary
         scaled = x / jnp.where(is_random, s.temperature, 1.0)[:, None]
@@ -391,7 +404,7 @@ def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _
     if draft_ids is None:
 
         def draw(x, s):
-            return vocab.argmax(tempered(x, s) + _gumbel(s.seeds, ids))
+            return vocab.argmax(tempered(x, s) + _gumbel(s.seeds, vocab.ids(Vl)))
 
         drawn = lax.cond(jnp.any(is_random), draw, lambda *_: jnp.zeros((S,), jnp.int32), x, s)
         token_ids = jnp.where(is_random, drawn, greedy)
@@ -401,7 +414,7 @@ def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _
         def verify(x, s):
             scaled = tempered(x, s)
             uniform = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(s.seeds)
-            gumbel = _gumbel(s.seeds, ids)
+            gumbel = _gumbel(s.seeds, vocab.ids(Vl))
             if vocab.axis is None:
                 return ops.verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, gumbel)
             return _verify_split(scaled, greedy, is_random, draft_ids, uniform, gumbel, vocab)
@@ -412,7 +425,8 @@ def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _
         token, accepted = lax.cond(jnp.any(is_random), verify, verify_greedy, x, s)
         token_ids = jnp.where(accepted, draft_ids, token)
 
-    m, log_z = _normaliser(logits, vocab)
+    if not native_stats:
+        m, log_z = _normaliser(logits, vocab)
     chosen = vocab.take(logits, jnp.minimum(token_ids, vocab.size - 1))  # (V: a NaN row's argmax; flagged)
 
     def ranked(_):  # ranks by the logits themselves: the raw distribution's order, without its rounding
