@@ -345,15 +345,20 @@ def test_sigterm_checkpoints_the_step_and_resume_finishes_the_run(dataset, one_r
 
 
 def test_a_second_signal_acts_as_before():
-    """The first SIGINT only asks for a stop; the handler is then put back, so a second one interrupts at once."""
-    handler = signal.getsignal(signal.SIGINT)
-    with StopRequests() as stop:
-        assert not stop.requested()
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.requested() and stop.signum == signal.SIGINT
-        with pytest.raises(KeyboardInterrupt):
+    """The first SIGINT only asks for a stop; the handler is then put back, so a second one interrupts at once.
+    Python's own SIGINT handler is installed first: a pytest-xdist worker ignores SIGINT, which would leave nothing
+    for the second signal to do."""
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopRequests() as stop:
+            assert not stop.requested()
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is handler
+            assert stop.requested() and stop.signum == signal.SIGINT
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_resume_refuses_another_run(dataset, stopped_at_50, tmp_path):
