@@ -17,7 +17,6 @@ Weight schemes (`--schemes none bf16 int8 int4 gguf ...`, docs/benchmarks/decode
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -244,7 +243,7 @@ def run(args) -> dict:
     import jax
 
     from bench import peers, plots
-    from bench.common import args_record, machine_info
+    from bench.common import args_record, machine_info, write_outputs
     from jaxserve import LLM
 
     load0, cpu0, own0 = os.getloadavg(), cpu_jiffies(), os.times()
@@ -356,12 +355,8 @@ def run(args) -> dict:
                   copy_bandwidth_Bps=bandwidth, results=results, greedy_match=match, notes=notes, skipped=skipped,
                   num_compiles=dict(after_warmup=compiles, after_timed=eng.runner.num_compiles),
                   profile_ms=profile, runs=runs)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump(record, f, indent=2)
     md = report(record)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(md)
+    write_outputs(args.out, args.name, record, md)
     bars = {f"{n} b{b}": r["engines"][n]["tok_s"]["median"] for b, r in results.items() for n in r["engines"]}
     plots.bars(bars, os.path.join(args.out, f"{args.name}.png"), title="Decode tok/s (median)", ylabel="tokens/s")
     print("\n" + md)

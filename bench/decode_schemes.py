@@ -8,7 +8,6 @@ KV cache. The timing helpers are `bench.decode`'s.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -30,7 +29,7 @@ def run_schemes(args) -> dict:
     import jax
 
     from bench import peers, plots
-    from bench.common import args_record, machine_info
+    from bench.common import args_record, machine_info, write_outputs
     from bench.weight_quant import streamed_weights
     from jaxserve import LLM
 
@@ -134,12 +133,8 @@ def run_schemes(args) -> dict:
                   results=results, skipped=skipped, num_compiles=compiles,
                   runs={n: {b: [{k: v for k, v in x.items() if k != "tokens"} for x in xs] for b, xs in d.items()}
                         for n, d in raw.items()})
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(record, f, indent=2)
     md = report_schemes(record)
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(md)
+    write_outputs(args.out, name, record, md)
     bars = {f"{r['scheme']} b{r['batch']}": r["jaxserve_tok_s"]["median"] for r in results}
     bars.update({f"lc {r['peer']} b{r['batch']}": r["llamacpp_tok_s"]["median"] for r in results if r["peer"]})
     plots.bars(bars, os.path.join(args.out, f"{name}.png"), title="Decode tok/s per weight scheme (median)",

@@ -274,7 +274,7 @@ def linear(x: jax.Array, w) -> jax.Array:
     if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
         # a bf16 weight multiplies x rounded to bf16, products summed in f32: what a bf16 GEMM computes, and the
         # native kernel's semantics (`cpu_kernels.matmul.activations`), so both backends serve the same model
-        return x.astype(jnp.bfloat16).astype(jnp.float32) @ w.astype(jnp.float32)
+        return _cpu_matmul.activations(x, "bf16") @ w.astype(jnp.float32)
     return x @ w.astype(x.dtype)
 
 
