@@ -8,6 +8,9 @@ end to end (prefill included: both checkouts do identical work). Only the public
 
     git worktree add /tmp/base <commit before the change>
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.ab --baseline /tmp/base   # docs/benchmarks/ab.{json,md}
+
+An engine setting A/B in one checkout: `--baseline .` with `--engine-args` / `--baseline-engine-args`, JSON keyword
+arguments of `LLM`, e.g. `--baseline . --baseline-engine-args '{"async_scheduling": false}' --name ab_async`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 from jaxserve import LLM, SamplingParams
 batch, new_tokens, prompt_len = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = LLM(None, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512, precompile=False)
+llm = LLM(None, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512, precompile=False,
+          **json.loads(sys.argv[5]))
 rng = np.random.default_rng(0)
 prompts = [{"prompt_token_ids": rng.integers(100, 20000, prompt_len).tolist()} for _ in range(batch)]
 params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -46,26 +50,30 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engine-args", type=json.loads, default={}, help="JSON keyword arguments of LLM, this side")
+    ap.add_argument("--baseline-engine-args", type=json.loads, default={}, help="the same, baseline side")
     ap.add_argument("--out-dir", default=OUT_DIR)
     ap.add_argument("--name", default="ab")
 
 
-def _worker(root: str, args, batch: int) -> dict:
+def _worker(root: str, args, batch: int, engine_args: dict) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-c", _WORKER, root, str(batch), str(args.new_tokens), str(args.prompt_len)]
+    cmd = [sys.executable, "-c", _WORKER, root, str(batch), str(args.new_tokens), str(args.prompt_len),
+           json.dumps(engine_args)]
     done = subprocess.run(cmd, env=env, cwd=root, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def run(args) -> None:
     roots = {"this checkout": os.getcwd(), "baseline": os.path.abspath(args.baseline)}
+    engine_args = {"this checkout": args.engine_args, "baseline": args.baseline_engine_args}
     tok_s: dict[str, dict[int, list[float]]] = {k: {b: [] for b in args.batches} for k in roots}
     first: dict[str, dict[int, list[int]]] = {k: {} for k in roots}
     for r in range(args.rounds):
         order = list(roots.items()) if r % 2 == 0 else list(reversed(roots.items()))
         for batch in args.batches:
             for name, root in order:
-                res = _worker(root, args, batch)
+                res = _worker(root, args, batch, engine_args[name])
                 tok_s[name][batch].append(res["tokens"] / res["seconds"])
                 first[name][batch] = res["first"]
                 print(f"round {r + 1} batch {batch:3d} {name:14s} {tok_s[name][batch][-1]:8.1f} tok/s", flush=True)
@@ -80,6 +88,8 @@ def run(args) -> None:
     md = "\n\n".join([
         f"# Same-run A/B: this checkout vs baseline ({os.path.basename(roots['baseline'])})",
         f"`{command_line('bench.ab')}`",
+        *([f"Engine arguments: this checkout {json.dumps(args.engine_args)}, baseline "
+           f"{json.dumps(args.baseline_engine_args)}."] if args.engine_args or args.baseline_engine_args else []),
         md_table(["batch", "this checkout tok/s", "baseline tok/s", "ratio", "same tokens"], rows),
         f"SmolLM2-135M-Instruct (default model), {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each "
         f"(EOS ignored), end to end after a warm-up run of the same shapes; median [min–max] of {args.rounds} "

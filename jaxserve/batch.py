@@ -46,6 +46,8 @@ class StepBatch:
     sampling: SamplingInputs  # one row per sampling row (R)
     draft_ids: jax.Array | None = None  # i32[R]  the draft each verify row checks, NO_DRAFT elsewhere (speculation)
     prompt_targets: jax.Array | None = None  # i32[T]  next prompt token per position, -1 = none (prompt_logprobs)
+    # i32[T]  async scheduling: the previous step's sampled-token row each position takes, -1 = token_ids' own
+    token_feed: jax.Array | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class ScheduledSeq:
     start: int  # position of token_ids[0]
     page_ids: list[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
     num_draft: int = 0  # the last num_draft of token_ids are speculative drafts to verify
+    feed_row: int = -1  # >= 0: the last non-draft token is still on the device, row feed_row of the previous step
 
 
 def smallest_at_least(buckets: tuple[int, ...], n: int) -> int:

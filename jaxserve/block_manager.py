@@ -133,6 +133,16 @@ class BlockManager:
                 del self._by_hash[h]
         self.free(seq)
 
+    def forget(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the prefix-cache registration of `seq`'s pages past its first `num_tokens` tokens where only `seq`
+        holds them: a step that failed was to write their KV (async scheduling registers pages at dispatch)."""
+        keep = num_tokens // self.page_size
+        for page in seq.page_ids[keep : len(seq.page_hashes)]:
+            if self._ref.get(page) == 1 and page in self._page_key:
+                h, _ = self._page_key.pop(page)
+                del self._by_hash[h]
+        del seq.page_hashes[keep:]
+
     # ---- prefix caching -------------------------------------------------------------------------------------
 
     def _page_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
@@ -188,7 +198,8 @@ class BlockManager:
         """Register `seq`'s newly full, computed pages so later sequences can reuse them."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.page_size, len(seq.page_ids))
+        # a page holding a token still being sampled (async scheduling) waits until the token is known
+        full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // self.page_size, len(seq.page_ids))
         parent = seq.page_hashes[-1] if seq.page_hashes else None
         for i in range(len(seq.page_hashes), full):
             tokens = self._page_tokens(seq, i)

@@ -195,6 +195,10 @@ class EngineConfig:
     matmul_backend: str | None = None
     enable_prefix_caching: bool = True
     precompile: bool = True  # compile every (tokens, pages) bucket at start; False = compile each on first use
+    # Schedule and dispatch step N+1 while step N runs on the device, its sampled tokens fed to N+1 on the device
+    # (vLLM's async scheduling; `engine.py`). None = on where it is supported (no speculation, no pipeline stages);
+    # True where it is not is refused.
+    async_scheduling: bool | None = None
     priority_aging_steps: int = 100  # a waiting request gains one priority level per this many steps
     seed: int = 0
     speculative_config: SpeculativeConfig | None = None  # or a dict with vLLM's keys: {"method": "ngram", ...}

@@ -33,7 +33,7 @@ from jaxserve.pipeline import split_microbatches
 from jaxserve.sampler import SamplerOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledWork, Scheduler
-from jaxserve.sequence import Sequence
+from jaxserve.sequence import Sequence, SequenceStatus
 from jaxserve.spec_decode.speculator import Speculator
 from jaxserve.step_builder import RowBuildError, StepBuilder
 
@@ -67,6 +67,11 @@ class _Launched:
     t0: float  # when it was dispatched
     device_outputs: list | None = None
     error: BaseException | None = None
+    # Async scheduling: the sequences were advanced when the step was dispatched (`_advance_launched`), so the next
+    # step could be scheduled before this one lands. Per work item: its start and whether it samples a token.
+    advanced: bool = False
+    starts: list[int] | None = None
+    completes: list[bool] | None = None
 
 
 @dataclass
@@ -101,6 +106,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_failed_requests = 0
         self._failed_runs = 0  # consecutive steps whose device run raised for every request (see step)
+        self.async_scheduling = bool(cfg.async_scheduling)
+        self._in_flight: _Pending | None = None  # async scheduling: the step dispatched and not landed yet
+        self.num_overlapped_steps = 0  # steps the next one was scheduled behind (async scheduling)
         # What loading left on the heap (tokenizer tables, weight pytrees, executables: ~10^5 objects per engine)
         # lives as long as the engine: moved out of the cyclic collector's generations, so the full collections that
         # steps' short-lived objects trigger do not walk it again. Measured with six engines in one process (bench
@@ -156,20 +164,26 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "num_overlapped_steps": self.num_overlapped_steps,
         }
         return stats if self.spec is None else stats | self.spec.stats()
 
     # ---- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the RequestOutputs of every request it touched (see the module docstring)."""
+        """One engine step; returns the RequestOutputs of every request it touched (see the module docstring).
+        With async scheduling, a step dispatches the next step before it lands the one dispatched by the call
+        before, and returns that one's outputs."""
+        if self.async_scheduling:
+            return self._step_async()
         pending = self.begin_step()
         return [] if pending is None else self.finish_step(pending)
 
-    def begin_step(self) -> _Pending | None:
+    def begin_step(self, overlap: bool = False) -> _Pending | None:
         """The first half of `step`: propose, schedule, build and dispatch the step to the devices without waiting
         for it (None: nothing to run). Until `finish_step`, the scheduler must not run again: the sequences and
-        pages of the step in flight are not settled."""
+        pages of the step in flight are not settled -- unless the step was `advanced` (async scheduling, `overlap`
+        and every sequence allows it: `_can_advance`)."""
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         work = self.scheduler.schedule()
@@ -178,7 +192,10 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.after_schedule(work)
         failed: list[RequestOutput] = []
-        return _Pending(work, failed, self._launch(work, failed))
+        launched = self._launch(work, failed)
+        if overlap and launched is not None and launched.error is None and self._can_advance(launched.work):
+            self._advance_launched(launched)
+        return _Pending(work, failed, launched)
 
     def finish_step(self, pending: _Pending) -> list[RequestOutput]:
         """The second half of `step`: wait for the step's outputs and process them."""
@@ -189,13 +206,117 @@ class LLMEngine:
             outputs = self._retry_one_at_a_time(pending.work, e, pending.failed)
         return pending.failed + outputs
 
+    # ---- async scheduling -----------------------------------------------------------------------------------
+    #
+    # Step N+1 is scheduled, built and dispatched while step N runs; N's sampled tokens reach N+1 on the device
+    # (`StepBatch.token_feed`), so the host's work (scheduling, building, the transfer, then detokenizing and
+    # streaming N) overlaps the device's. When N is dispatched its sequences are advanced as if it had landed:
+    # computed tokens move on and each sampling sequence holds one pending token (`Sequence.num_pending_tokens`),
+    # which the scheduler plans past. Outputs are those of the synchronous engine: a sequence that ends when N lands
+    # wastes its N+1 row (skipped when N+1 lands), except that one whose pending token is its last (max_tokens,
+    # max_model_len) is not scheduled at all. A step whose sequences need their new tokens on the host before the
+    # next step is built (penalties: the next row's history; prompt logprobs; drafts) is not advanced: it lands
+    # before the next step is scheduled.
+
+    def _step_async(self) -> list[RequestOutput]:
+        prev, self._in_flight = self._in_flight, None
+        overlap = prev is None or (prev.launched is not None and prev.launched.advanced)
+        nxt = self.begin_step(overlap=True) if overlap else None
+        outputs: list[RequestOutput] = []
+        if prev is not None:
+            try:
+                landed = self._land(prev.launched, prev.failed, timed=True)
+                self._failed_runs = 0
+            except _RunFailed as e:
+                if nxt is not None:  # built on prev's tokens: undone, its sequences are scheduled again
+                    outputs += nxt.failed
+                    if nxt.launched is not None:
+                        self._roll_back(nxt.launched)
+                    nxt = None
+                self._roll_back(prev.launched)
+                landed = self._retry_one_at_a_time(prev.work, e, prev.failed)
+            outputs += prev.failed + landed
+            if nxt is None:
+                nxt = self.begin_step(overlap=True)  # what prev's tokens (or freed pages) made schedulable
+        self._in_flight = nxt
+        return outputs
+
+    def _can_advance(self, work: list[ScheduledWork]) -> bool:
+        """Whether the next step may be built before this one lands (see above)."""
+        return self.spec is None and self.num_microbatches == 1 and all(
+            w.num_draft == 0 and w.seq.params.prompt_logprobs is None and not w.seq.params.has_penalties
+            for w in work)
+
+    def _advance_launched(self, launched: _Launched) -> None:
+        """Settle a dispatched step's sequences as if it had landed: their tokens computed, and each sequence that
+        samples holding a pending token, row `pending_row` of the step's output (one row per sequence)."""
+        launched.starts = [w.seq.num_computed_tokens for w in launched.work]
+        launched.completes = [w.completes_sequence for w in launched.work]
+        for row, (w, completes) in enumerate(zip(launched.work, launched.completes)):
+            self.scheduler.advance(w.seq, w.num_tokens)
+            if completes:
+                w.seq.num_pending_tokens += 1
+                w.seq.pending_row = row
+        launched.advanced = True
+        self.num_overlapped_steps += 1
+
+    def _roll_back(self, launched: _Launched) -> None:
+        """Undo `_advance_launched` for a step whose device run failed (sequences preempted since keep their
+        reset); the pages it registered in the prefix cache leave it (their KV was not written)."""
+        if not launched.advanced:
+            return
+        for w, start, completes in zip(launched.work, launched.starts, launched.completes):
+            seq = w.seq
+            if completes:
+                seq.num_pending_tokens -= 1
+            if seq.num_computed_tokens == start + w.num_tokens:
+                self.scheduler.roll_back(seq, start)
+        launched.advanced = False
+
+    def _process_advanced(self, launched: _Launched, out: SamplerOutput,
+                          failed: list[RequestOutput]) -> list[RequestOutput]:
+        """`_process` for an advanced step: its sequences moved on at dispatch, so only the sampled tokens are
+        appended (a sequence that ended, or whose request did, since the step was built skips its row)."""
+        now = time.time()
+        touched: dict[str, Request] = {}
+        finished: list[Sequence] = []
+        for row, (w, completes) in enumerate(zip(launched.work, launched.completes)):
+            seq = w.seq
+            if not completes:
+                continue
+            seq.num_pending_tokens -= 1
+            req = self.requests.get(seq.request_id)
+            if req is None or seq.is_finished:
+                continue
+            if out.nonfinite[row]:
+                failed.append(self._fail(req, "the model produced non-finite logits (NaN or inf)"))
+                touched.pop(req.request_id, None)
+                continue
+            try:
+                self.output.append_token(req, seq, out, row, now)
+                self.scheduler.advance(seq, 0)  # pages the token completed join the prefix cache
+            except Exception as e:  # noqa: BLE001 -- e.g. the detokenizer: this request fails, the others go on
+                failed.append(self._fail(req, f"processing its output raised {e!r}"))
+                touched.pop(req.request_id, None)
+                continue
+            if seq.is_finished:
+                finished.append(seq)
+            touched[req.request_id] = req
+        for seq in finished:
+            self.scheduler.finish(seq)
+        outputs = [self.output.request_output(req) for req in touched.values()]
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id]
+        return outputs
+
     def _retry_one_at_a_time(self, work: list[ScheduledWork], e: _RunFailed, failed: list) -> list[RequestOutput]:
         logger.error("the model step raised %r; retrying its %d sequences one at a time", e.cause, len(work))
         outputs, ran = [], False
         for w in work:
             req = self.requests.get(w.seq.request_id)
-            if req is None:
-                continue  # a sibling sequence's failure ended the request
+            if req is None or w.seq.status is not SequenceStatus.RUNNING:
+                continue  # a sibling sequence's failure ended the request, or it was preempted since (recomputes)
             cause = e.cause  # alone in the step: it is the culprit
             if len(work) > 1:
                 try:
@@ -256,6 +377,8 @@ class LLMEngine:
                 self.output.record_prompt_logprobs(g, prompt_lp)
         out = results[0][0] if len(results) == 1 else _concat_rows(
             [(o, sum(1 + w.num_draft for w in g)) for g, (o, _) in zip(groups, results)])
+        if launched.advanced:
+            return self._process_advanced(launched, out, failed)
         outputs = self._process(work, out, failed)  # an EAGLE-3 head drafts for the next step in here (timed)
         if self.spec is not None and timed:
             self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)

@@ -56,6 +56,16 @@ def resolve_num_pages(
     return max(2, min(want, DEFAULT_KV_CACHE_BYTES // per_page))
 
 
+def resolve_async_scheduling(cfg: EngineConfig) -> bool:
+    """Async scheduling where the engine supports it: not with speculation (a proposer drafts from the tokens on
+    the host) nor pipeline stages (micro-batches). Asked for explicitly where unsupported: refused."""
+    unsupported = ("speculative decoding" if cfg.speculative_config is not None
+                   else "pipeline parallelism" if cfg.mesh is not None and cfg.mesh.pp > 1 else None)
+    if cfg.async_scheduling and unsupported:
+        raise ValueError(f"async_scheduling does not support {unsupported} yet; leave it unset or False")
+    return unsupported is None if cfg.async_scheduling is None else cfg.async_scheduling
+
+
 def check_mesh(cfg: EngineConfig, model_config: ModelConfig | None = None):
     """-> (the engine's `jax.sharding.Mesh` or None without a mesh config, how many copies of each KV head tensor
     parallelism needs), checked against this process's devices and, given the model, its heads
@@ -84,6 +94,7 @@ def resolve_config(
     scan = engine_config.scan_layers if engine_config.scan_layers is not None else jax.default_backend() != "cpu"
     cfg = engine_config.replace(dtype=dtype, max_model_len=max_model_len, scan_layers=scan)
     backends = ops.resolve_backends(cfg, dtype, scan, mesh)
+    cfg = cfg.replace(async_scheduling=resolve_async_scheduling(cfg))
     if backends.attention == "native":
         # The native CPU kernel walks only each sequence's own pages: one block-table size serves every step.
         cfg = cfg.replace(page_buckets=cfg.page_buckets[-1:])

@@ -110,7 +110,7 @@ class OutputProcessor:
             seq.finish("stop", now, token)
         elif not p.ignore_eos and token in self.eos_ids:
             seq.finish("stop", now)
-        elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_known_tokens >= self.max_model_len:
             seq.finish("length", now)
 
     def record_prompt_logprobs(self, work: list[ScheduledWork], lp: PromptLogprobs) -> None:

@@ -8,6 +8,7 @@ time per bucket (`warmup`) or on first use, and counted, so tests can prove stea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -46,6 +47,7 @@ def step_fn(
     kv: KVCache,
     packed: jax.Array,  # i32[*]  a StepBatch, see `layout`
     x_in: jax.Array | None = None,  # f[T, D]  the residual stream from the previous pipeline stage
+    prev_tokens: jax.Array | None = None,  # i32[max rows]  the previous step's sampled tokens (async scheduling)
     *,
     layout: Layout,
     rows: RowLayout,
@@ -58,9 +60,14 @@ def step_fn(
     ((sampled, prompt logprobs | None, aux f[T, len(ids) * D]), kv): the residual streams entering those layers,
     concatenated per token (EAGLE-3). Outputs travel packed (`rows`, `prompt_rows`): one fetch.
     A pipeline stage before the last (weights without `final_norm`) returns ((x f[T, D],), kv) instead: its
-    residual stream, for the next stage's `x_in`."""
+    residual stream, for the next stage's `x_in`.
+    Async scheduling (the batch has a `token_feed`): positions with feed row r >= 0 take `prev_tokens[r]` as their
+    token, and the outputs end with this step's sampled tokens, i32[max rows], the next step's `prev_tokens`."""
     batch: StepBatch = layout.unpack(packed)
     inputs = batch.inputs
+    if batch.token_feed is not None:
+        fed = prev_tokens[jnp.maximum(batch.token_feed, 0)]
+        inputs = dataclasses.replace(inputs, token_ids=jnp.where(batch.token_feed >= 0, fed, inputs.token_ids))
     h, kv, hidden = forward(model_cfg, weights, kv, inputs, x_in, hidden_layer_ids=hidden_layer_ids,
                             backends=backends)
     if weights.final_norm is None:
@@ -79,6 +86,8 @@ def step_fn(
     if hidden_layer_ids:
         T = hidden.shape[1]
         out += (jnp.transpose(hidden, (1, 0, 2)).reshape(T, -1),)
+    if batch.token_feed is not None:
+        out += (jnp.zeros_like(prev_tokens).at[: sampled.token_ids.shape[0]].set(sampled.token_ids),)
     if out_shardings is not None:  # the cache keeps its sharding across steps; outputs come back whole
         kv_shardings, replicated = out_shardings
         kv = jax.lax.with_sharding_constraint(kv, kv_shardings)
@@ -160,6 +169,12 @@ class ModelRunner:
             static_argnames=("layout",),
             donate_argnames=("kv",),
         )
+        # async scheduling: the last step's sampled tokens stay on the device for the next step's `token_feed`
+        self.async_scheduling = bool(engine_cfg.async_scheduling)
+        self.last_tokens = None
+        if self.async_scheduling:
+            max_rows = engine_cfg.max_num_seqs * (1 + engine_cfg.num_speculative_tokens)
+            self.last_tokens = jax.device_put(np.zeros(max_rows, np.int32), self._replicated)
         self._layouts: dict[tuple[Bucket, bool], Layout] = {}
         self._executables: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}
         self.num_compiles = 0
@@ -205,6 +220,7 @@ class ModelRunner:
             SamplingInputs.neutral(R, b.max_pages * self.engine_cfg.page_size),
             np.full(R, -1, np.int32) if self.engine_cfg.speculative_config is not None else None,
             np.full(T, -1, np.int32) if prompt_logprobs else None,
+            np.full(T, -1, np.int32) if self.async_scheduling else None,
         )
 
     def layout(self, b: Bucket, prompt_logprobs: bool = False) -> Layout:
@@ -224,7 +240,9 @@ class ModelRunner:
             packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
             x_in = None if self.first_stage else jax.ShapeDtypeStruct(
                 (bucket.num_tokens, self.model_cfg.hidden_size), self.dtype, sharding=self._replicated)
-            exe = self._jitted.lower(self.weights, self.kv, packed, x_in, layout=lay).compile()
+            prev = None if self.last_tokens is None else jax.ShapeDtypeStruct(
+                self.last_tokens.shape, jnp.int32, sharding=self._replicated)
+            exe = self._jitted.lower(self.weights, self.kv, packed, x_in, prev, layout=lay).compile()
             self._executables[key] = exe
             self.num_compiles += 1
             logger.info("compiled %s%s in %.1f s", bucket, " (prompt logprobs)" if prompt_logprobs else "",
@@ -286,7 +304,9 @@ class ModelRunner:
     def call(self, bucket: Bucket, with_prompt: bool, packed: jax.Array, x_in: jax.Array | None = None) -> tuple:
         """One executable call on device-resident inputs (the KV cache is donated and replaced)."""
         exe = self.executable(bucket, with_prompt)
-        out, self.kv = exe(self.weights, self.kv, packed, x_in)
+        out, self.kv = exe(self.weights, self.kv, packed, x_in, self.last_tokens)
+        if self.async_scheduling:
+            self.last_tokens = out[-1]
         return out
 
     def kv_is_intact(self) -> bool:

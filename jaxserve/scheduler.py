@@ -15,6 +15,10 @@ Each step has a token budget (`max_num_batched_tokens`) and a seat limit (`max_n
      first, so only the uncached rest of a prompt costs budget. Nobody jumps a waiting sequence that doesn't fit.
 Preemption is by recompute: pages are released (full ones stay in the prefix cache), the tokens are kept.
 
+Async scheduling (`engine.py`): a sequence may hold a pending token, sampled by the step still in flight and not
+known here yet; it counts in `num_tokens`, so a decode is planned past it. A sequence whose pending token is its
+last (max_tokens, max_model_len) is not scheduled again.
+
 Speculative decoding: a decoding sequence may carry draft tokens (`seq.spec_token_ids`, set by the engine's
 proposer before `schedule`). Its step then computes 1 + K tokens (its last token and the K drafts, verified in the
 same ragged batch as everything else), K cut to fit the budget, and pages are reserved for all of them; the engine
@@ -81,6 +85,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._ends_when_pending_lands(seq):
+                i += 1  # async scheduling: its token in flight is its last, a step past it would be wasted
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             drafts = min(len(seq.spec_token_ids), budget - 1) if seq.num_uncomputed_tokens == 1 else 0
             if not self._reserve(seq, n + drafts, scheduled):
@@ -112,6 +119,12 @@ class Scheduler:
             budget -= n
         self.num_steps += 1
         return work
+
+    def _ends_when_pending_lands(self, seq: Sequence) -> bool:
+        """The token `seq` is still being sampled (async scheduling) reaches max_tokens or max_model_len, so the
+        sequence ends when it lands whatever the token is."""
+        return seq.num_pending_tokens > 0 and (
+            seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.cfg.max_model_len)
 
     def _preempt_for_priority(self) -> None:
         """Make room for a waiting sequence that outranks running ones (priority scheduling)."""
@@ -158,6 +171,11 @@ class Scheduler:
             self.block_manager.trim(seq, seq.num_tokens)
         seq.spec_token_ids = []
         self.block_manager.register_computed(seq)
+
+    def roll_back(self, seq: Sequence, num_computed: int) -> None:
+        """Undo an `advance` whose step failed (async scheduling): `seq` has `num_computed` valid tokens again."""
+        seq.num_computed_tokens = num_computed
+        self.block_manager.forget(seq, num_computed)
 
     def fail(self, seq: Sequence) -> None:
         """Release a sequence whose KV may be garbage: pages only it holds leave the prefix cache too."""

@@ -44,6 +44,11 @@ class Sequence:
     spec_disabled: bool = False  # the proposer can no longer draft for it (an EAGLE-3 head skipped its catch-up)
     spec_num_verified: int = 0  # draft tokens verified so far (speculative decoding metrics)
     spec_num_accepted: int = 0  # of which accepted
+    # Async scheduling: tokens being sampled by steps still in flight. They count in num_tokens (the scheduler plans
+    # the next step past them) but are not in output_token_ids yet; the newest one is row `pending_row` of the
+    # step in flight, which feeds it to the next step on the device.
+    num_pending_tokens: int = 0
+    pending_row: int = -1
 
     @property
     def token_ids(self) -> list[int]:
@@ -51,7 +56,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the sequence, including those still being sampled (`num_pending_tokens`)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (`token_ids`): all but the pending ones."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, including those still being sampled."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

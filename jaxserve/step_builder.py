@@ -48,18 +48,10 @@ class StepBuilder:
         self.stop_ids = stop_ids
         self.rng = np.random.default_rng(cfg.seed)  # seeds of unseeded requests
         self.speculative = cfg.speculative_config is not None
+        self.async_scheduling = bool(cfg.async_scheduling)
 
     def build(self, work: list[ScheduledWork]) -> tuple[Bucket, StepBatch]:
-        seqs = [
-            ScheduledSeq(
-                w.seq.token_ids[w.seq.num_computed_tokens : w.seq.num_computed_tokens + w.num_tokens - w.num_draft]
-                + w.seq.spec_token_ids[: w.num_draft],
-                w.seq.num_computed_tokens,
-                w.seq.page_ids,
-                w.num_draft,
-            )
-            for w in work
-        ]
+        seqs = [self.scheduled_seq(w) for w in work]
         cfg = self.cfg
         bucket = choose_bucket(
             sum(w.num_tokens for w in work),
@@ -84,12 +76,27 @@ class StepBuilder:
             except Exception as e:  # noqa: BLE001 -- this request's data; the others must not pay for it
                 raise RowBuildError(w.seq.request_id, f"building its sampling row raised {e!r}") from e
         inputs = build_step_inputs(seqs, bucket, cfg.page_size)
-        return bucket, StepBatch(inputs, sampling, draft_ids, prompt_targets(work, bucket.num_tokens))
+        feed = token_feed(seqs, bucket.num_tokens) if self.async_scheduling else None
+        return bucket, StepBatch(inputs, sampling, draft_ids, prompt_targets(work, bucket.num_tokens), feed)
+
+    def scheduled_seq(self, w: ScheduledWork) -> ScheduledSeq:
+        """What `w` computes. Under async scheduling its last token may still be in flight (sampled by the step
+        before, `seq.pending_row`): it goes in as 0 and the device takes it from that step's output."""
+        seq, start = w.seq, w.seq.num_computed_tokens
+        end = start + w.num_tokens - w.num_draft
+        tokens = seq.token_ids[start:end]
+        feed_row = -1
+        if end > seq.num_known_tokens:
+            if not self.async_scheduling or end - seq.num_known_tokens != 1 or seq.num_pending_tokens != 1:
+                raise AssertionError(f"sequence {seq.seq_id}: tokens {seq.num_known_tokens}..{end} are not known")
+            tokens.append(0)
+            feed_row = seq.pending_row
+        return ScheduledSeq(tokens + seq.spec_token_ids[: w.num_draft], start, seq.page_ids, w.num_draft, feed_row)
 
     def fill_row(self, sampling: SamplingInputs, row: int, seq: Sequence, extra: list[int]) -> None:
         """Sampling settings of one row: `seq` as if `extra` (verified drafts) had already been generated."""
         p = seq.params
-        num_out = len(seq.output_token_ids) + len(extra)
+        num_out = seq.num_output_tokens + len(extra)
         sampling.temperature[row] = p.temperature
         sampling.top_k[row] = p.top_k
         sampling.top_p[row] = p.top_p
@@ -123,3 +130,15 @@ def prompt_targets(work: list[ScheduledWork], num_tokens: int) -> np.ndarray | N
             targets[t : t + max(0, end - start)] = seq.prompt_token_ids[start + 1 : end + 1]
         t += w.num_tokens
     return targets
+
+
+def token_feed(seqs: list[ScheduledSeq], num_tokens: int) -> np.ndarray:
+    """i32[T]: for each token position, the row of the previous step's sampled tokens it takes (async scheduling:
+    a sequence's newest token, still on the device), -1 = the host's token id."""
+    feed = np.full(num_tokens, -1, np.int32)
+    t = 0
+    for sq in seqs:
+        t += len(sq.token_ids)
+        if sq.feed_row >= 0:
+            feed[t - 1 - sq.num_draft] = sq.feed_row
+    return feed
