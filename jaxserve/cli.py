@@ -35,6 +35,7 @@ def engine_flags(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "page_size": args.page_size,
         "num_pages": args.num_pages,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "enable_prefix_caching": args.enable_prefix_caching,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
@@ -53,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="share of a GPU's memory (0, 1] for weights, activations and the KV cache, which fills what "
+                   "is left unless --num-pages is given (default 0.9; ignored on the CPU)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--kv-cache-dtype", default=None,
                    choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"])

@@ -171,7 +171,11 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page ("block_size" in vLLM)
     num_pages: int | None = None  # KV pages incl. the padding page 0; None = from kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # KV budget when num_pages is None; None = enough pages for max_num_seqs
-    # full-length sequences, capped at 1 GiB
+    # full-length sequences, capped at 1 GiB; on a GPU, what gpu_memory_utilization leaves
+    # The share of the device's memory (what XLA's allocator may use) the weights, the largest step's activations and
+    # the KV cache may fill, as vLLM's: sizes the cache when num_pages and kv_cache_memory_bytes are unset, on devices
+    # that report their memory (GPUs; XLA:CPU does not, so the CPU ignores it). `jaxserve.memory_plan`.
+    gpu_memory_utilization: float = 0.9
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "float32" | "bfloat16" | "float16" | "int8" | "fp8" (e4m3)
     # How linear weights are stored (`jaxserve.quant`): "none" (the dtype) | "bf16" | "int8" (per output channel) |
@@ -231,6 +235,10 @@ class EngineConfig:
             )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1 (got {self.kv_cache_memory_bytes})")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] of the device's memory (got "
+                             f"{self.gpu_memory_utilization!r})")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2: page 0 is reserved for padding (got {self.num_pages})")
         object.__setattr__(self, "token_buckets", tuple(sorted(self.token_buckets)))

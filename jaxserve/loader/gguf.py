@@ -2,8 +2,9 @@
 
     config, params, tok = read_gguf(default_model_path())
 
-Weights are dequantized with the `gguf` package (numpy) into float32 arrays shaped like the HF/torch
-checkpoint (`[out, in]` for linear layers). For arch `llama`, llama.cpp's converter interleaves the rows
+`params` reads each tensor from the file when it is asked for (`loader.tensors.LazyTensors`). Weights are
+dequantized with the `gguf` package (numpy) into float32 arrays shaped like the HF/torch checkpoint (`[out, in]` for
+linear layers). For arch `llama`, llama.cpp's converter interleaves the rows
 of q/k so that RoPE pairs are adjacent; that permutation is undone here so the weights match HF's
 rotate-half RoPE. The tokenizer is rebuilt from metadata for byte-level BPE (`tokenizer.ggml.model ==
 "gpt2"`), with the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`.
@@ -11,6 +12,7 @@ rotate-half RoPE. The tokenizer is rebuilt from metadata for byte-level BPE (`to
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loader.tensors import LazyTensors, TensorEntry, read_file_array
 from jaxserve.loader.weights import hf_tensor_shapes
 
 __all__ = ["GGUFTokenizer", "default_model_path", "read_gguf", "SUPPORTED_GGUF_ARCHITECTURES"]
@@ -73,8 +76,8 @@ def default_model_path() -> str:
 
 
 def read_gguf(path: str, *, load_tokenizer: bool = True, keep_blocks: bool = False
-              ) -> tuple[ModelConfig, dict[str, np.ndarray], GGUFTokenizer]:
-    """Parse `path` into (config, float32 weights under HF names, tokenizer).
+              ) -> tuple[ModelConfig, LazyTensors, GGUFTokenizer]:
+    """Parse `path` into (config, float32 weights under HF names read on access, tokenizer).
 
     With `load_tokenizer=False` the tokenizer is not built (returned as None), so a GGUF whose
     tokenizer type is unsupported can still be used with a separate `tokenizer.json`. With `keep_blocks=True`,
@@ -237,7 +240,9 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _load_tensors(path: str, config: ModelConfig, tensors: dict, keep_blocks: bool) -> dict:
+def _load_tensors(path: str, config: ModelConfig, tensors: dict, keep_blocks: bool) -> LazyTensors:
+    """Check every tensor's name, shape and type against the config (reading no data), and map HF names to entries
+    that read and convert one tensor each."""
     import gguf
 
     from jaxserve import quant
@@ -259,29 +264,38 @@ def _load_tensors(path: str, config: ModelConfig, tensors: dict, keep_blocks: bo
 
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     supported = set(float_types) | set(gguf.quants._type_traits)
-    out = {}
+    entries = {}
     for hf, t in by_hf.items():
         if t.tensor_type not in supported:
             raise ValueError(f"{path}: tensor {t.name!r} uses unsupported quantization type {t.tensor_type.name}")
-        if keep_blocks and t.tensor_type.name in quant.GGUF_BLOCKS and len(expected[hf]) == 2:
-            w = quant.decode_gguf_blocks(t.data, t.tensor_type.name, expected[hf])
-            if config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
-                n_head = config.num_heads if ".q_proj." in hf else config.num_kv_heads
-                w = w.map_rows(lambda a: _unpermute(a, n_head))
-            out[hf] = w
-            continue
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ValueError(f"{path}: tensor {t.name!r}: cannot dequantize {t.tensor_type.name} ({e})") from e
-        w = w.reshape(expected[hf])
-        if np.may_share_memory(w, t.data):  # F32 is a view of the memory-mapped file
-            w = np.array(w, dtype=np.float32)
-        w = w.astype(np.float32, copy=False)
+        shape = expected[hf]
+        n_head = None  # llama.cpp's converter interleaved the rows of llama's q / k: undone on read
         if config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
-            w = _unpermute(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
-        out[hf] = w
-    return out
+            n_head = config.num_heads if ".q_proj." in hf else config.num_kv_heads
+        # the bytes are read from the file, not through the reader's memory map (whose pages would stay resident)
+        raw = functools.partial(read_file_array, path, t.data_offset, t.data.dtype, t.data.shape)
+        block = keep_blocks and t.tensor_type.name in quant.GGUF_BLOCKS and len(shape) == 2
+        read = functools.partial(_read_tensor, path, t.name, t.tensor_type, raw, shape, n_head, block)
+        entries[hf] = TensorEntry(shape, read, quant.BlockForm.of_gguf(t.tensor_type.name) if block else None)
+    return LazyTensors(entries)
+
+
+def _read_tensor(path: str, name: str, tensor_type, raw, shape: tuple[int, ...], n_head: int | None, block: bool):
+    """One tensor, [out, in] with llama's q / k rows un-interleaved (`n_head` set): its exact values as a
+    `quant.BlockQuantized` (`block`), else dequantized (or read, for float types) to float32."""
+    import gguf
+
+    from jaxserve import quant
+
+    if block:
+        w = quant.decode_gguf_blocks(raw(), tensor_type.name, shape)
+        return w if n_head is None else w.map_rows(lambda a: _unpermute(a, n_head))
+    try:
+        w = gguf.quants.dequantize(raw(), tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"{path}: tensor {name!r}: cannot dequantize {tensor_type.name} ({e})") from e
+    w = w.reshape(shape).astype(np.float32, copy=False)
+    return w if n_head is None else _unpermute(w, n_head)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

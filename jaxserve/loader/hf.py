@@ -1,16 +1,19 @@
-"""HF model directories: `config.json` -> ModelConfig, `*.safetensors` (single or sharded with an index) -> numpy.
+"""HF model directories: `config.json` -> ModelConfig, `*.safetensors` (single or sharded with an index) -> numpy
+tensors, each read from its file when asked for (`loader.tensors.LazyTensors`).
 
 Only safetensors are read: no pickles, no remote code. Tensor names stay HF's (`model.layers.0.mlp.up_proj.weight`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import numpy as np
 
 from jaxserve.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from jaxserve.loader.tensors import LazyTensors, TensorEntry, read_file_array
 
 _ARCH_BY_CLASS = {
     "LlamaForCausalLM": "llama",
@@ -100,8 +103,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def read_safetensors(fp: str) -> dict[str, np.ndarray]:
-    """Read a .safetensors file into numpy (bfloat16 via ml_dtypes, which numpy alone cannot name)."""
+def safetensors_entries(fp: str) -> dict[str, TensorEntry]:
+    """The tensors of a .safetensors file, from its header; each entry reads its tensor when called (bfloat16 via
+    ml_dtypes, which numpy alone cannot name)."""
     import ml_dtypes
 
     dtypes = dict(_SAFETENSORS_DTYPES, BF16=ml_dtypes.bfloat16)
@@ -111,16 +115,23 @@ def read_safetensors(fp: str) -> dict[str, np.ndarray]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{fp}: not a safetensors file ({e})") from e
-    data = np.memmap(fp, dtype=np.uint8, mode="r", offset=8 + header_len)
-    out = {}
+    entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         if info["dtype"] not in dtypes:
             raise ValueError(f"{fp}: tensor {name} has unsupported dtype {info['dtype']}")
+        dtype, shape = np.dtype(dtypes[info["dtype"]]), tuple(info["shape"])
         start, end = info["data_offsets"]
-        out[name] = np.frombuffer(data[start:end], dtype=dtypes[info["dtype"]]).reshape(info["shape"]).copy()
-    return out
+        if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(f"{fp}: tensor {name} holds {end - start} bytes, not {shape} of {dtype.name}")
+        entries[name] = TensorEntry(shape, functools.partial(read_file_array, fp, 8 + header_len + start, dtype, shape))
+    return entries
+
+
+def read_safetensors(fp: str) -> dict[str, np.ndarray]:
+    """Every tensor of a .safetensors file, read now (for small files, e.g. an EAGLE-3 head)."""
+    return {name: e.read() for name, e in safetensors_entries(fp).items()}
 
 
 def read_hf_config(path: str) -> ModelConfig:
@@ -131,7 +142,8 @@ def read_hf_config(path: str) -> ModelConfig:
         return config_from_hf(json.load(f), cfg_path)
 
 
-def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def read_hf_dir(path: str) -> tuple[ModelConfig, LazyTensors]:
+    """(config, the tensors of every *.safetensors file, read on access)."""
     config = read_hf_config(path)
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -145,10 +157,10 @@ def read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         hint = (f" (found {', '.join(pickles)}: pickled weights are not loaded; convert them to safetensors)"
                 if pickles else "")
         raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
-    tensors: dict[str, np.ndarray] = {}
+    entries: dict[str, TensorEntry] = {}
     for name in files:
         fp = os.path.join(path, name)
         if not os.path.isfile(fp):
             raise FileNotFoundError(f"{fp}: listed in the safetensors index but missing")
-        tensors.update(read_safetensors(fp))
-    return config, tensors
+        entries.update(safetensors_entries(fp))
+    return config, LazyTensors(entries)

@@ -1,15 +1,19 @@
-"""HF-named numpy tensors -> the model's `Weights` pytree (stacked layers, [in, out] linears, chosen dtype).
+"""HF-named tensors -> the model's `Weights` pytree (stacked layers, [in, out] linears, chosen dtype).
 
-Both loaders (HF safetensors and GGUF) produce HF names, so this is the one place that knows the mapping and
-checks every shape against the config.
+Both loaders (HF safetensors and GGUF) produce HF names, read on access (`loader.tensors`), so this is the one place
+that knows the mapping, checks every shape against the config, and streams the checkpoint into its stored form.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
+import jax
 import numpy as np
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
+from jaxserve.loader.tensors import LazyTensors, TensorEntry
 from jaxserve.model.llama import LayerWeights, Weights
 
 
@@ -47,35 +51,56 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+def stack_layers(per_layer: Iterable, count: int):
+    """`count` per-layer arrays (or pytrees of them, e.g. QuantizedLinears of one form) -> one with a leading layer
+    axis. Filled layer by layer into arrays allocated at the first, so the per-layer pieces (read and converted one
+    at a time by the caller's iterator) are never all held at once."""
+    out = treedef = None
+    for i, tree in enumerate(per_layer):
+        leaves, treedef = jax.tree.flatten(tree)
+        if out is None:
+            out = [np.empty((count, *a.shape), a.dtype) for a in leaves]
+        for o, a in zip(out, leaves):
+            o[i] = a
+    return jax.tree.unflatten(treedef, out)
+
+
+def _entry(tensors: LazyTensors, name: str, shape: tuple[int, ...], source: str) -> TensorEntry:
     if name not in tensors:
         raise ValueError(f"{source}: missing tensor {name}")
-    t = tensors[name]
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {shape} from the model config")
-    return t
+    e = tensors.entry(name)
+    if e.shape != shape:
+        raise ValueError(f"{source}: tensor {name} has shape {e.shape}, expected {shape} from the model config")
+    return e
 
 
-def to_weights(cfg: ModelConfig, tensors: dict, dtype, source: str = "checkpoint", quantization: str = "none"
+def to_weights(cfg: ModelConfig, tensors: Mapping, dtype, source: str = "checkpoint", quantization: str = "none"
                ) -> Weights:
     """Build host (numpy) `Weights` in `dtype`, linear maps stored as `quantization` (`jaxserve.quant`). Linear
-    weights are transposed from HF's [out, in] to [in, out]. `tensors` holds numpy arrays, and under "gguf" the
-    GGUF loader's `quant.BlockQuantized` for quantized tensors (kept exactly; float ones follow `dtype`)."""
+    weights are transposed from HF's [out, in] to [in, out]. `tensors`: a `LazyTensors` (what the loaders return)
+    or in-memory arrays; under "gguf" quantized tensors are `quant.BlockQuantized` (kept exactly; float ones follow
+    `dtype`).
+
+    Tensors are read one at a time and converted straight to their stored form, into stacked arrays allocated once:
+    the host peak is about the weights as stored plus one tensor in float32, never the whole model in float32
+    (the largest float32 temporary is one layer's tensor, or the embedding)."""
+    tensors = LazyTensors.of(tensors)
     shapes = layer_tensor_shapes(cfg)
+    quantize = quantization not in ("none", "gguf")
 
     def stacked(key: str, transpose: bool):
-        per_layer = [
-            _take(tensors, f"model.layers.{i}.{key}", shapes[key], source) for i in range(cfg.num_layers)
-        ]
-        blocks = [isinstance(t, quant.BlockQuantized) for t in per_layer]
-        if all(blocks):
-            return quant.stack_linears(per_layer)
-        if any(blocks):  # e.g. a file with some layers' tensors left in F16: dequantize the few to float
-            per_layer = [t.dequantize() if b else t for t, b in zip(per_layer, blocks)]
-        arr = np.stack([t.T if transpose else t for t in per_layer]).astype(dtype)
-        if transpose and quantization not in ("none", "gguf"):
-            return quant.quantize_linear(arr, quantization)
-        return arr
+        names = [f"model.layers.{i}.{key}" for i in range(cfg.num_layers)]
+        forms = [_entry(tensors, n, shapes[key], source).block for n in names]
+        if all(forms):  # every layer's GGUF blocks kept: repacked in the form that holds them all
+            form = quant.BlockForm.common(forms)
+            return stack_layers((tensors[n].linear(form) for n in names), len(names))
+
+        def as_stored(name: str):  # (a file with some layers' tensors left in F16 dequantizes its few blocks)
+            w = _float(tensors[name])
+            w = (w.T if transpose else w).astype(dtype)
+            return quant.quantize_linear(w, quantization) if transpose and quantize else w
+
+        return stack_layers((as_stored(n) for n in names), len(names))
 
     layers = LayerWeights(
         attn_norm=stacked("input_layernorm.weight", False),
@@ -97,29 +122,32 @@ def to_weights(cfg: ModelConfig, tensors: dict, dtype, source: str = "checkpoint
         layers.k_norm = stacked("self_attn.k_norm.weight", False)
 
     D, V = cfg.hidden_size, cfg.vocab_size
-    embed_t = _take(tensors, "model.embed_tokens.weight", (V, D), source)
+    embed_name = "model.embed_tokens.weight"
+    _entry(tensors, embed_name, (V, D), source)
+    embed_t = tensors[embed_name]
     embed = _float(embed_t).astype(dtype)  # token lookup reads a few rows per step: kept in the model dtype
     # tied checkpoints may omit lm_head.weight (HF ignores it when tied); the logits projection is then embed.T,
     # stored as its own quantized copy when the scheme quantizes (None: read from `embed`)
-    head_t = embed_t if cfg.tie_word_embeddings else _take(tensors, "lm_head.weight", (V, D), source)
+    if cfg.tie_word_embeddings:
+        head_t = embed_t
+    else:
+        del embed_t
+        _entry(tensors, "lm_head.weight", (V, D), source)
+        head_t = tensors["lm_head.weight"]
     lm_head = None
     if isinstance(head_t, quant.BlockQuantized):
         lm_head = head_t.linear()
-    elif quantization not in ("none", "gguf"):
+    elif quantize:
         # 4-bit schemes keep the logits projection at int8, as llama.cpp's 4-bit files do (a 4-bit one cost SmolLM2
         # +5% perplexity against +0.24% for its Q4_1 file, whose output layer is Q8_0: docs/benchmarks/weight_quant.md)
         head_scheme = "int8" if quantization in quant.INT4_GROUPS else quantization
         lm_head = quant.quantize_linear(_float(head_t).T.astype(dtype), head_scheme)
     elif not cfg.tie_word_embeddings:
         lm_head = head_t.T.astype(dtype)
-    return Weights(
-        embed=embed,
-        layers=layers,
-        final_norm=_take(tensors, "model.norm.weight", (D,), source).astype(dtype),
-        lm_head=lm_head,
-    )
+    del head_t
+    _entry(tensors, "model.norm.weight", (D,), source)
+    return Weights(embed=embed, layers=layers, final_norm=tensors["model.norm.weight"].astype(dtype), lm_head=lm_head)
 
 
 def _float(t) -> np.ndarray:
     return t.dequantize() if isinstance(t, quant.BlockQuantized) else t
-
