@@ -11,6 +11,7 @@ docs/benchmarks/NAME.{json,md,png}.
     ab          same-run A/B of this checkout against a baseline worktree, batch 1 and 16 (refactors)
     collectives bytes tensor parallelism moves per step, from the compiled step's HLO, and their cost per interconnect
     pipeline    pp2 on 2 simulated CPU devices: micro-batches within a step vs virtual engines across steps
+    load        host memory (peak RSS) and time of loading the default model per scheme, against a baseline checkout
 
 Peers are optional (scripts/install_peers.sh); a missing one is skipped with a message. Run on a quiet machine.
 """
@@ -33,6 +34,7 @@ SUBCOMMANDS = {
     "quant": "bench.weight_quant",
     "collectives": "bench.collectives",
     "pipeline": "bench.pipeline",
+    "load": "bench.load",
 }
 
 

@@ -41,6 +41,7 @@ def engine_flags(args: argparse.Namespace) -> dict:
         "quantization": args.quantization,
         "speculative_config": args.speculative_config,
         "precompile": args.precompile,
+        "async_scheduling": args.async_scheduling,
         "mesh": args.mesh,
     }
 
@@ -78,6 +79,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="compile every bucket at start (default: on for servers, off for one-shot generate)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and dispatch step N+1 while step N runs, its sampled tokens fed on the device (default: on "
+        "where supported; not with speculative decoding or pipeline stages)",
     )
 
 

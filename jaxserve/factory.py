@@ -27,7 +27,7 @@ from jaxserve.loader.weights import to_weights
 from jaxserve.memory_plan import MemoryPlan
 from jaxserve.model.llama import Weights, repeat_kv_heads, stage_layer_bounds
 from jaxserve.pipeline import PipelineRunner
-from jaxserve.runner import ModelRunner, default_dtype
+from jaxserve.runner import ModelRunner, default_dtype, prepare_weights
 from jaxserve.spec_decode import Proposer, make_proposer, proposer_cache_configs, target_hidden_layer_ids
 from jaxserve.tokenizer import Tokenizer
 
@@ -150,11 +150,11 @@ def plan_memory(
         logger.warning("gpu_memory_utilization sizes the KV cache of one-device engines; this mesh has %d devices: "
                        "the default size is used (set kv_cache_memory_bytes or num_pages)", mesh.size)
         return None
-    placed = quant.with_kernel(weights, "pallas") if backends.matmul == "pallas" else weights  # as the runner's
+    placed = prepare_weights(weights, backends, cfg.scan_layers)  # as the runner will place them
     steps = memory_plan.step_memory(model_config, cfg, placed, kv_dtype, memory_plan.planning_buckets(cfg),
                                     backends=backends, sharding=jax.sharding.SingleDeviceSharding(device))
     plan = MemoryPlan(device_bytes=memory[0], utilization=cfg.gpu_memory_utilization, in_use_bytes=memory[1],
-                      weights_bytes=memory_plan.tree_bytes(weights),
+                      weights_bytes=memory_plan.tree_bytes(placed),
                       activation_bytes=max(s.activation_bytes for s in steps),
                       page_bytes=page_bytes(cfg, model_config, kv_dtype, extra_caches))
     logger.info("KV cache from device memory: %s", plan.describe())

@@ -129,9 +129,10 @@ def quantize_int8(w: np.ndarray) -> QuantizedLinear:
     """f[..., K, N] -> int8 with one symmetric scale per output channel (absmax / 127, round to nearest). One
     scale per column: float32 costs nothing next to the values."""
     w = np.asarray(w, np.float32)
-    scale = np.abs(w).max(axis=-2, keepdims=True) / 127
+    scale = np.maximum(w.max(axis=-2, keepdims=True), -w.min(axis=-2, keepdims=True)) / 127
     inv = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
-    q = np.clip(np.rint(w * inv), -127, 127)
+    q = np.multiply(w, inv)  # one float temporary, rounded and clipped in place (loading holds one tensor's worth)
+    np.clip(np.rint(q, out=q), -127, 127, out=q)
     return from_values(q, scale, None, 8)
 
 
@@ -147,7 +148,10 @@ def quantize_int4(w: np.ndarray, group: int) -> QuantizedLinear:
     lo = _f16_values(lo, up=False)
     scale = _f16_values((hi - lo) / 15, up=True)
     inv = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
-    q = np.clip(np.rint((g - lo[..., None, :]) * inv[..., None, :]), 0, 15).reshape(*lead, K, N)
+    q = np.subtract(g, lo[..., None, :])  # one float temporary, scaled, rounded and clipped in place
+    q *= inv[..., None, :]
+    np.clip(np.rint(q, out=q), 0, 15, out=q)
+    q = q.reshape(*lead, K, N)
     return from_values(q, scale, lo, 4)
 
 

@@ -99,6 +99,20 @@ def _structs(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def prepare_weights(host_weights: Weights, backends: ops.Backends, scan_layers: bool) -> Weights:
+    """Host weights (stacked layers) in the form the step reads them: unstacked when `forward` unrolls the layers,
+    linear maps packed for the native CPU kernel or tagged with the kernel that multiplies them."""
+    if not scan_layers:
+        host_weights = unstack_layers(host_weights)
+    if backends.matmul == "native":
+        return pack_linear_weights(host_weights)
+    if backends.matmul == "pallas":
+        return quant.with_kernel(host_weights, "pallas")
+    if jax.default_backend() == "cpu":  # XLA dots with the native kernel's semantics (tp, or no g++)
+        return quant.with_kernel(host_weights, "xla-q8")
+    return host_weights
+
+
 def compile_step(
     model_cfg: ModelConfig,
     engine_cfg: EngineConfig,
@@ -165,16 +179,9 @@ class ModelRunner:
         enable_compilation_cache()
         self.scan_layers = (engine_cfg.scan_layers if engine_cfg.scan_layers is not None
                             else jax.default_backend() != "cpu")
-        if not self.scan_layers:
-            host_weights = unstack_layers(host_weights)  # `forward` unrolls the layers
         self.backends = backends or ops.resolve_backends(engine_cfg, dtype, self.scan_layers)
         self.native_matmul = self.backends.matmul == "native"
-        if self.native_matmul:
-            host_weights = pack_linear_weights(host_weights)
-        elif self.backends.matmul == "pallas":
-            host_weights = quant.with_kernel(host_weights, "pallas")
-        elif jax.default_backend() == "cpu":  # XLA dots with the native kernel's semantics (tp, or no g++)
-            host_weights = quant.with_kernel(host_weights, "xla-q8")
+        host_weights = prepare_weights(host_weights, self.backends, self.scan_layers)
         self.mesh = mesh if mesh is not None else self.backends.mesh  # weights and KV placed by logical axes
         self.first_stage = first_stage
         self.last_stage = host_weights.final_norm is not None

@@ -166,6 +166,11 @@ def test_engine_options_flags_override_the_config_yaml():
     assert not engine_config_from(*_serve_args("--no-precompile")).precompile
     assert engine_config_from(*_serve_args("--quantization", "int4")).quantization == "int4"
     assert engine_config_from(*_serve_args()).quantization is None, "default: chosen per checkpoint at load"
+    assert engine_config_from(*_serve_args("--no-async-scheduling")).async_scheduling is False
+    assert engine_config_from(*_serve_args()).async_scheduling is None, "default: on where supported"
+    assert engine_config_from(*_serve_args("--gpu-memory-utilization", "0.5")).gpu_memory_utilization == 0.5
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        engine_config_from(*_serve_args("--gpu-memory-utilization", "1.5"))
 
 
 def test_engine_options_keep_what_the_yaml_sets(tmp_path):

@@ -125,7 +125,7 @@ def to_weights(cfg: ModelConfig, tensors: Mapping, dtype, source: str = "checkpo
     embed_name = "model.embed_tokens.weight"
     _entry(tensors, embed_name, (V, D), source)
     embed_t = tensors[embed_name]
-    embed = _float(embed_t).astype(dtype)  # token lookup reads a few rows per step: kept in the model dtype
+    embed = _float(embed_t).astype(dtype, copy=False)  # token lookup reads a few rows per step: kept in the model dtype
     # tied checkpoints may omit lm_head.weight (HF ignores it when tied); the logits projection is then embed.T,
     # stored as its own quantized copy when the scheme quantizes (None: read from `embed`)
     if cfg.tie_word_embeddings:
@@ -141,7 +141,7 @@ def to_weights(cfg: ModelConfig, tensors: Mapping, dtype, source: str = "checkpo
         # 4-bit schemes keep the logits projection at int8, as llama.cpp's 4-bit files do (a 4-bit one cost SmolLM2
         # +5% perplexity against +0.24% for its Q4_1 file, whose output layer is Q8_0: docs/benchmarks/weight_quant.md)
         head_scheme = "int8" if quantization in quant.INT4_GROUPS else quantization
-        lm_head = quant.quantize_linear(_float(head_t).T.astype(dtype), head_scheme)
+        lm_head = quant.quantize_linear(_float(head_t).T.astype(dtype, copy=False), head_scheme)
     elif not cfg.tie_word_embeddings:
         lm_head = head_t.T.astype(dtype)
     del head_t
