@@ -2,12 +2,15 @@
 
     python -m pallas_kernels.ragged_paged_attention.bench            # on a GPU, ~2-4 min; writes
                                                                      # docs/benchmarks/attention_kernel.{json,md}
+    python -m pallas_kernels.ragged_paged_attention.bench --quick --peak-gbps 4800   # 4 decode shapes, shorter
+                                                                     # timings (scripts/bench_gpu.sh on an H200)
     python -m pallas_kernels.ragged_paged_attention.bench --smoke    # tiny shapes, interpret mode, any machine
 
 For each shape (Llama-3-8B attention per layer: 32 query heads, 8 kv heads, head dim 128, bf16, page size 16):
 the kernel's and the reference's time, the kernel's max error against the reference, and the kernel's achieved
 bandwidth = unique bytes it must move (the KV history of every sequence, scales, queries, outputs) / time, as a
-fraction of the HBM bandwidth measured on the same device (best of a device-to-device copy and a reduction).
+fraction of the HBM bandwidth measured on the same device (best of a device-to-device copy and a reduction) and,
+with --peak-gbps, of the datasheet's.
 Prefill shapes also report attention TFLOP/s (causal: only visible query-key pairs count).
 """
 
@@ -41,11 +44,18 @@ class Shape:
     page_size: int = 16
 
 
-def _shapes(smoke: bool) -> list[Shape]:
+def _shapes(smoke: bool, quick: bool) -> list[Shape]:
     if smoke:
         return [
             Shape("smoke decode", (1,) * 4, (40, 7, 64, 33), num_q_heads=4, num_kv_heads=2, head_dim=64),
             Shape("smoke mixed int8", (9, 1, 1), (9, 50, 17), "int8", num_q_heads=4, num_kv_heads=2, head_dim=64),
+        ]
+    if quick:  # decode, the bandwidth-bound case: plain, large batch, quantized, and one that splits the keys
+        return [
+            Shape("decode S=64 ctx=4096", (1,) * 64, (4096,) * 64),
+            Shape("decode S=128 ctx=4096", (1,) * 128, (4096,) * 128),
+            Shape("decode S=64 ctx=4096 int8", (1,) * 64, (4096,) * 64, "int8"),
+            Shape("decode S=8 ctx=8192 (KV split)", (1,) * 8, (8192,) * 8),
         ]
     out = []
     for S in (32, 64, 128):
@@ -97,8 +107,8 @@ def _inputs(shape: Shape, key) -> tuple[list, float, float]:
     return args, float(kv_bytes + q_out_bytes), float(pairs)
 
 
-def _time(f, args) -> float:
-    return time_call(f, args, min_seconds=0.3, max_iters=200)
+def _time(f, args, min_seconds: float = 0.3) -> float:
+    return time_call(f, args, min_seconds=min_seconds, max_iters=200)
 
 
 def measure_hbm_bandwidth(num_bytes: int = 4 << 30) -> dict:
@@ -112,8 +122,9 @@ def measure_hbm_bandwidth(num_bytes: int = 4 << 30) -> dict:
     return {"copy_GBps": 2 * num_bytes / t_copy / 1e9, "read_GBps": num_bytes / t_sum / 1e9}
 
 
-def run(smoke: bool) -> dict:
+def run(smoke: bool, quick: bool = False, peak_gbps: float | None = None) -> dict:
     interpret = smoke
+    min_seconds = 0.1 if quick else 0.3
     device = jax.devices()[0]
     results = {
         "device": getattr(device, "device_kind", str(device)),
@@ -121,6 +132,7 @@ def run(smoke: bool) -> dict:
         "jax": jax.__version__,
         "python": platform.python_version(),
         "interpret": interpret,
+        "peak_GBps": peak_gbps,
         "shapes": [],
     }
     if not smoke:
@@ -128,7 +140,7 @@ def run(smoke: bool) -> dict:
         peak = max(results["hbm"].values())
         results["hbm"]["measured_GBps"] = peak
     key = jax.random.key(0)
-    for shape in _shapes(smoke):
+    for shape in _shapes(smoke, quick):
         args, num_bytes, pairs = _inputs(shape, key)
         H = shape.head_dim
         sm_scale = H**-0.5
@@ -138,7 +150,7 @@ def run(smoke: bool) -> dict:
         out_k, out_r = kernel(*args), ref(*args)
         err = float(jnp.max(jnp.abs(out_k.astype(jnp.float32) - out_r.astype(jnp.float32))))
         finite = bool(jnp.isfinite(out_k.astype(jnp.float32)).all())
-        t_kernel, t_ref = _time(kernel, args), _time(ref, args)
+        t_kernel, t_ref = _time(kernel, args, min_seconds), _time(ref, args, min_seconds)
         T, S = sum(shape.q_lens), len(shape.q_lens)
         bs = block_sizes_for(num_tokens=T, num_seqs=S, num_q_heads=shape.num_q_heads,
                              num_kv_heads=shape.num_kv_heads, head_dim=H, page_size=shape.page_size,
@@ -158,6 +170,8 @@ def run(smoke: bool) -> dict:
         }
         if not smoke:
             row["fraction_of_measured_hbm"] = row["kernel_GBps"] / results["hbm"]["measured_GBps"]
+        if peak_gbps:
+            row["fraction_of_peak"] = row["kernel_GBps"] / peak_gbps
         results["shapes"].append(row)
         print(f"{shape.name:48s} kernel {row['kernel_us']:9.1f} us  ref {row['reference_us']:9.1f} us  "
               f"x{row['speedup']:5.2f}  {row['kernel_GBps']:7.1f} GB/s  err {err:.2e}", flush=True)
@@ -177,19 +191,25 @@ def markdown(results: dict) -> str:
     if hbm:
         lines += [f"Measured HBM bandwidth: copy {hbm['copy_GBps']:.0f} GB/s, read {hbm['read_GBps']:.0f} GB/s "
                   f"-> {hbm['measured_GBps']:.0f} GB/s used as 100%.", ""]
+    peak = results.get("peak_GBps")
+    if peak:
+        lines += [f"Datasheet peak: {peak:.0f} GB/s (% of peak).", ""]
     lines += [
         "Attention per layer: 32 query / 8 kv heads, head dim 128, page size 16 (smoke: small). Bandwidth = unique "
         "bytes (KV history + scales + q + out) / kernel time.",
         "",
-        "| shape | KV | kernel us | reference us | speedup | kernel GB/s | % of HBM | TFLOP/s | max err |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape | KV | kernel us | reference us | speedup | kernel GB/s | % of HBM | % of peak | TFLOP/s | max err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def pct(r, key):
+        return "" if r.get(key) is None else f"{100 * r[key]:.0f}%"
+
     for r in results["shapes"]:
-        frac = r.get("fraction_of_measured_hbm")
         lines.append(
             f"| {r['name']} | {r['kv_dtype']} | {r['kernel_us']:.1f} | {r['reference_us']:.1f} | {r['speedup']:.2f}x "
-            f"| {r['kernel_GBps']:.0f} | {'' if frac is None else f'{100 * frac:.0f}%'} | {r['kernel_TFLOPs']:.1f} "
-            f"| {r['max_abs_err_vs_reference']:.1e} |"
+            f"| {r['kernel_GBps']:.0f} | {pct(r, 'fraction_of_measured_hbm')} | {pct(r, 'fraction_of_peak')} "
+            f"| {r['kernel_TFLOPs']:.1f} | {r['max_abs_err_vs_reference']:.1e} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -197,11 +217,15 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (no GPU needed)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 decode shapes, shorter timings (the scripts/bench_gpu.sh step)")
+    parser.add_argument("--peak-gbps", type=float, default=None,
+                        help="the device's datasheet HBM bandwidth in GB/s (H200: 4800): adds a %% of peak column")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"), help="output folder")
     args = parser.parse_args()
     if not args.smoke and jax.default_backend() != "gpu":
         raise SystemExit(f"no GPU (backend {jax.default_backend()}): run on a GPU, or use --smoke")
-    results = run(args.smoke)
+    results = run(args.smoke, args.quick, args.peak_gbps)
     name = "attention_kernel_smoke" if args.smoke else "attention_kernel"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:

