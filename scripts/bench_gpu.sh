@@ -59,8 +59,10 @@ fi
 step attention 35 "$PY" -m pallas_kernels.ragged_paged_attention.bench --quick --peak-gbps 4800 --out "$OUT"
 step kv 30 "$PY" -m bench kv --budget-gib 16 --contexts 2048 8192 32768 --verify --verify-budget-mib 64 \
   --verify-context 256 --out "$OUT"
+# latency profiles its steps (one more run per batch): the compiled step alone (`exe`, launches included, the
+# per-step floor) against the whole step (`step`); the goal is step <= 2x exe at batch 1
 step latency 90 "$PY" -m bench latency --batches 1 16 64 --reps 3 --prompt-len 256 --new-tokens 128 --peers \
-  --no-profile --out "$OUT"
+  --out "$OUT"
 if [ "$has_sharegpt" = 1 ]; then
   step throughput 80 "$PY" -m bench throughput --num-requests 400 --batch-size 64 --max-num-batched-tokens 2048 \
     --hf-requests 0 --peers --out "$OUT"
