@@ -302,6 +302,11 @@ class LLMEngine:
             if seq.is_finished:
                 finished.append(seq)
             touched[req.request_id] = req
+        return self._emit(finished, touched)
+
+    def _emit(self, finished: list[Sequence], touched: dict[str, Request]) -> list[RequestOutput]:
+        """End a landed step: free the finished sequences, and the RequestOutputs of the requests it touched (those
+        that finished leave the engine)."""
         for seq in finished:
             self.scheduler.finish(seq)
         outputs = [self.output.request_output(req) for req in touched.values()]
@@ -430,13 +435,7 @@ class LLMEngine:
             # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
             # (failed requests' sequences hold no pages any more: the head skips them)
             self.spec.after_step(work, starts, self.scheduler.running, self.runner.last_hidden)
-        for seq in finished:
-            self.scheduler.finish(seq)
-        outputs = [self.output.request_output(req) for req in touched.values()]
-        for o in outputs:
-            if o.finished:
-                del self.requests[o.request_id]
-        return outputs
+        return self._emit(finished, touched)
 
     def _fail(self, req: Request, reason: str) -> RequestOutput:
         """End `req` with finish_reason "error": free its pages, dropping the ones only it holds from the prefix
