@@ -162,8 +162,8 @@ def device_memory(device) -> tuple[int, int] | None:
 def memory_table(rows: list[tuple[str, StepMemory]]) -> str:
     """A markdown table of compiled steps' memory (MiB), one row per (label, StepMemory)."""
     mib = 2**20
-    lines = ["| step | bucket (T, S, pages, rows) | argument MiB | output MiB | alias MiB | temp MiB | activation MiB |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| step | bucket (T, S, pages, rows) | argument MiB | output MiB | alias MiB | temp MiB "
+             "| activation MiB |", "|---|---|---:|---:|---:|---:|---:|"]
     for label, m in rows:
         b = m.bucket
         lines.append(f"| {label} | {b.num_tokens}, {b.num_seqs}, {b.max_pages}, {b.rows} | "
