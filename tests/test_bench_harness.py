@@ -204,7 +204,8 @@ def test_cli_parses_every_subcommand():
 
     ap = build_parser()
     assert set(SUBCOMMANDS) == {"throughput", "serve", "latency", "spec", "kv", "soak", "ab", "collectives",
-                                "pipeline", "quant"}
+                                "pipeline", "quant", "load"}
+    assert ap.parse_args(["load", "--baseline", "/tmp/base", "--schemes", "gguf"]).schemes == ["gguf"]
     a = ap.parse_args(["serve", "--url", "http://x", "--rates", "1", "inf"])
     assert a.rates == [1.0, math.inf] and a.url == "http://x" and callable(a.run)
     assert ap.parse_args(["throughput", "--hf-requests", "32"]).hf_requests == 32
