@@ -101,12 +101,12 @@ def check_mesh(cfg: EngineConfig, model_config: ModelConfig | None = None):
 
 
 def resolve_config(
-    engine_config: EngineConfig, model_config: ModelConfig, mesh=None, weights: Weights | None = None, device=None
+    engine_config: EngineConfig, model_config: ModelConfig, mesh=None, weights: Weights | None = None
 ) -> tuple[EngineConfig, ops.Backends]:
     """`model_config`: the model as it will run (KV heads already replicated for tensor parallelism); `mesh`: from
     `check_mesh`. `weights`: the host weights the runner will place (stacked, in the resolved dtype): with them, and
-    on a device that reports its memory, the KV cache fills `gpu_memory_utilization` of it (`plan_memory`);
-    `device`: the one the cache lives on (default: the first of `mesh`, or the default device)."""
+    on a device that reports its memory (the first of `mesh`, or the default device), the KV cache fills
+    `gpu_memory_utilization` of it (`plan_memory`)."""
     dtype = resolve_dtype(engine_config)
     max_model_len = min(engine_config.max_model_len, model_config.max_position_embeddings)
     scan = engine_config.scan_layers if engine_config.scan_layers is not None else jax.default_backend() != "cpu"
@@ -120,7 +120,7 @@ def resolve_config(
     extra = proposer_cache_configs(cfg.speculative_config, model_config)
     plan = None
     if cfg.num_pages is None and cfg.kv_cache_memory_bytes is None and weights is not None:
-        device = device or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         plan = plan_memory(cfg, model_config, weights, kv_dtype, extra, backends, mesh, device)
     cfg = cfg.replace(num_pages=resolve_num_pages(cfg, model_config, kv_dtype, extra, plan))
     if cfg.num_pages - 1 < cfg.max_pages_per_seq:

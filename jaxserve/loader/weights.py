@@ -74,6 +74,11 @@ def _entry(tensors: LazyTensors, name: str, shape: tuple[int, ...], source: str)
     return e
 
 
+def _read(tensors: LazyTensors, name: str, shape: tuple[int, ...], source: str):
+    """The tensor `name`, read now, after its shape is checked."""
+    return _entry(tensors, name, shape, source).read()
+
+
 def to_weights(cfg: ModelConfig, tensors: Mapping, dtype, source: str = "checkpoint", quantization: str = "none"
                ) -> Weights:
     """Build host (numpy) `Weights` in `dtype`, linear maps stored as `quantization` (`jaxserve.quant`). Linear
@@ -122,9 +127,7 @@ def to_weights(cfg: ModelConfig, tensors: Mapping, dtype, source: str = "checkpo
         layers.k_norm = stacked("self_attn.k_norm.weight", False)
 
     D, V = cfg.hidden_size, cfg.vocab_size
-    embed_name = "model.embed_tokens.weight"
-    _entry(tensors, embed_name, (V, D), source)
-    embed_t = tensors[embed_name]
+    embed_t = _read(tensors, "model.embed_tokens.weight", (V, D), source)
     embed = _float(embed_t).astype(dtype, copy=False)  # token lookup reads a few rows per step: kept in the model dtype
     # tied checkpoints may omit lm_head.weight (HF ignores it when tied); the logits projection is then embed.T,
     # stored as its own quantized copy when the scheme quantizes (None: read from `embed`)
@@ -132,8 +135,7 @@ def to_weights(cfg: ModelConfig, tensors: Mapping, dtype, source: str = "checkpo
         head_t = embed_t
     else:
         del embed_t
-        _entry(tensors, "lm_head.weight", (V, D), source)
-        head_t = tensors["lm_head.weight"]
+        head_t = _read(tensors, "lm_head.weight", (V, D), source)
     lm_head = None
     if isinstance(head_t, quant.BlockQuantized):
         lm_head = head_t.linear()
@@ -145,8 +147,8 @@ def to_weights(cfg: ModelConfig, tensors: Mapping, dtype, source: str = "checkpo
     elif not cfg.tie_word_embeddings:
         lm_head = head_t.T.astype(dtype)
     del head_t
-    _entry(tensors, "model.norm.weight", (D,), source)
-    return Weights(embed=embed, layers=layers, final_norm=tensors["model.norm.weight"].astype(dtype), lm_head=lm_head)
+    final_norm = _read(tensors, "model.norm.weight", (D,), source).astype(dtype)
+    return Weights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
 
 
 def _float(t) -> np.ndarray:
