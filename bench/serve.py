@@ -33,8 +33,9 @@ from bench.common import (
     write_outputs,
 )
 from bench.loadgen import LoadRequest, OpenAICompletionsClient, metrics, run_load
+from bench.servers import cpu_seconds
 
-SCALARS = ("request_throughput", "output_tok_s", "goodput", "slo_attainment", "failed")
+SCALARS = ("request_throughput", "output_tok_s", "goodput", "slo_attainment", "failed", "server_cpu_ms_per_token")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
@@ -63,6 +64,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--server-timeout", type=float, default=900, help="s to wait for a server to become healthy")
     ap.add_argument("--jaxserve-args", default="",
                     help="extra `jaxserve serve` flags, e.g. '--config configs/engine/x.yaml' or '--no-precompile'")
+    ap.add_argument("--llamacpp-gguf", default="Q4_1",
+                    help="the GGUF llama.cpp serves: Q4_1 (the shipped file, which jaxserve serves as it is by "
+                         "default), F16, Q8_0, Q4_0, Q4_K, or a path")
     ap.add_argument("--out", default=OUT_DIR)
     ap.add_argument("--name", default="serve", help="output file stem")
 
@@ -99,9 +103,15 @@ async def measure(targets: dict, requests: list[LoadRequest], args) -> dict:
         for rnd in range(args.rounds):
             for rate in args.rates:
                 for name, c in clients.items():
+                    pid = targets[name].get("pid")
+                    cpu0 = None if pid is None else cpu_seconds(pid)
                     results, wall = await run_load(c, requests, rate, seed=args.seed + rnd,
                                                    max_concurrency=args.max_concurrency)
                     m = metrics(results, wall, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+                    cpu1 = None if cpu0 is None else cpu_seconds(pid)
+                    # the server's own CPU time per output token (all its processes; nan when not measurable)
+                    m["server_cpu_ms_per_token"] = (1e3 * (cpu1 - cpu0) / m["output_tokens"]
+                                                    if cpu1 is not None and m["output_tokens"] else math.nan)
                     out[name][str(rate)].append(m)
                     print(f"[serve] round {rnd} rate {rate:g}/s {name}: {m['completed']}/{m['requests']} ok, "
                           f"{m['output_tok_s']:.1f} out tok/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, "
@@ -127,7 +137,7 @@ def make_client(target: dict, args):
 
 def medians(rounds: list[dict]) -> dict:
     """Median over rounds of the scalar metrics and of each latency percentile."""
-    med = {k: statistics.median(m[k] for m in rounds) for k in SCALARS}
+    med = {k: statistics.median(m.get(k, math.nan) for m in rounds) for k in SCALARS}
     med["stopped_early"] = statistics.median(m.get("finish_reasons", {}).get("stop", 0) for m in rounds)
     for k in LATENCIES:
         med[k] = {p: statistics.median(m[k][p] for m in rounds) for p in ("p50", "p90", "p99")}
@@ -137,7 +147,7 @@ def medians(rounds: list[dict]) -> dict:
 def report(record: dict) -> str:
     a, res = record["args"], record["summary"]
     header = ["engine", "rate req/s", "done req/s", "out tok/s", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
-              "ITL p50/p99 ms", "goodput req/s", "SLO met", "failed"]
+              "ITL p50/p99 ms", "goodput req/s", "SLO met", "failed", "server CPU ms/token"]
     rows = []
     for name, by_rate in res.items():
         for rate, m in by_rate.items():
@@ -145,7 +155,8 @@ def report(record: dict) -> str:
             rows.append([name, rate, f"{m['request_throughput']:.2f}", m["output_tok_s"],
                          f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
                          f"{p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f}", f"{i['p50']:.1f} / {i['p99']:.1f}",
-                         f"{m['goodput']:.2f}", f"{100 * m['slo_attainment']:.0f}%", int(m["failed"])])
+                         f"{m['goodput']:.2f}", f"{100 * m['slo_attainment']:.0f}%", int(m["failed"]),
+                         f"{m.get('server_cpu_ms_per_token', math.nan):.1f}"])
     proto = "jaxserve.v1 gRPC `Generate`" if a.get("protocol") == "grpc" else "OpenAI `/v1/completions`"
     md = [f"# Serving latency under Poisson load ({a['dataset']}, {a['num_prompts']} requests per rate)", "",
           f"{proto} streaming; greedy, EOS ignored, max_tokens = "
@@ -197,13 +208,15 @@ def run(args) -> dict:
                 continue
             srv, note = servers.start(name, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                       log_dir=LOG_DIR, timeout_s=args.server_timeout,
-                                      jaxserve_args=shlex.split(args.jaxserve_args))
+                                      jaxserve_args=shlex.split(args.jaxserve_args),
+                                      llamacpp_gguf=args.llamacpp_gguf)
             if srv is None:
                 print(f"[serve] {name} skipped: {note}", flush=True)
                 notes[name] = f"skipped: {note.splitlines()[0]}"
                 continue
             started.append(srv)
-            targets[name] = dict(url=srv.url, grpc=srv.grpc_target, model=srv.model, extra=srv.extra)
+            targets[name] = dict(url=srv.url, grpc=srv.grpc_target, model=srv.model, extra=srv.extra,
+                                 pid=srv.proc.pid if srv.proc else None)
             notes[name] = note or "started"
     try:
         if not targets:

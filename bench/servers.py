@@ -40,6 +40,37 @@ class Server:
             self.proc.wait()
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` and all its live descendants (vLLM runs its engine core in a
+    child process; llama-server and jaxserve use threads), from /proc. None where /proc is not there."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid: (parent pid, cpu s)
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for d in names:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid ... utime stime
+        except OSError:
+            continue  # exited meanwhile
+        stats[int(d)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    if pid not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(p)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats[p][1]
+        todo += children.get(p, [])
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,8 +109,9 @@ def _launch(name: str, cmd: list[str], env: dict, log_dir: str, health: str, tim
 
 
 def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, timeout_s: float = 900,
-          jaxserve_args: list[str] = ()) -> tuple[Server | None, str]:
-    """Start server `name` (jaxserve | llamacpp | vllm); (server, note) or (None, reason it was skipped)."""
+          jaxserve_args: list[str] = (), llamacpp_gguf: str | None = None) -> tuple[Server | None, str]:
+    """Start server `name` (jaxserve | llamacpp | vllm); (server, note) or (None, reason it was skipped).
+    `llamacpp_gguf`: the file llama.cpp serves, a `peers.GGUF_VARIANTS` name or a path (None: `llamacpp_gguf()`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if name == "jaxserve":
@@ -91,7 +123,12 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
         srv = Server(name, url, "smollm2", {"ignore_eos": True}, proc, grpc_target=f"127.0.0.1:{grpc_port}")
         return (srv, "") if proc else (None, why)
     if name == "llamacpp":
-        gguf, why = peers.llamacpp_gguf()
+        if llamacpp_gguf is None:
+            gguf, why = peers.llamacpp_gguf()
+        elif llamacpp_gguf in peers.GGUF_VARIANTS:
+            gguf, why = peers.gguf_variant(llamacpp_gguf)
+        else:
+            gguf, why = (llamacpp_gguf, "") if os.path.exists(llamacpp_gguf) else (None, f"no file {llamacpp_gguf}")
         if gguf is None:
             return None, why
         binary = peers.llama_server_binary()
@@ -129,6 +166,7 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
         cmd = [*launcher, "--served-model-name", "smollm2",
                "--dtype", peers.vllm_dtype(), "--max-model-len", str(max_model_len), "--max-num-seqs",
                str(max_num_seqs), "--port", str(port), "--host", "127.0.0.1", "--enforce-eager"]
-        proc, why = _launch(name, cmd, peers.vllm_env(), log_dir, url + "/health", timeout_s)
+        env = {**peers.vllm_env(), "PYTHONPATH": peers.vllm_dist_alias(py)}  # `vllm serve` needs "vllm" metadata
+        proc, why = _launch(name, cmd, env, log_dir, url + "/health", timeout_s)
         return (Server(name, url, "smollm2", {"ignore_eos": True}, proc), "vllm-cpu") if proc else (None, why)
     raise ValueError(f"unknown engine {name!r}: expected jaxserve, llamacpp or vllm")

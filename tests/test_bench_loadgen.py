@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import time
 
 import pytest
 
@@ -205,7 +207,8 @@ def test_serve_measure_interleaves_engines_and_reports(tmp_path):
         slo_tpot_ms = 10_000.0
 
     async def go(url):
-        targets = {"jaxserve": dict(url=url, model="m", extra={}), "peer": dict(url=url, model="m", extra={})}
+        targets = {"jaxserve": dict(url=url, model="m", extra={}, pid=os.getpid()),  # the mock runs in here
+                   "peer": dict(url=url, model="m", extra={})}
         return await serve.measure(targets, reqs(3, out_len=3), Args)
 
     raw, mock = run_against_mock(go)
@@ -214,6 +217,9 @@ def test_serve_measure_interleaves_engines_and_reports(tmp_path):
     assert len(mock.bodies) == 2 * 2 + 2 * 2 * 2 * 3  # warm-up 2 per engine, then rounds x rates x engines x 3
     summary = {n: {r: serve.medians(ms) for r, ms in by_rate.items()} for n, by_rate in raw.items()}
     assert summary["jaxserve"]["inf"]["failed"] == 0 and summary["jaxserve"]["inf"]["slo_attainment"] == 1.0
+    cpu = [m["server_cpu_ms_per_token"] for by_rate in raw["jaxserve"].values() for m in by_rate]
+    assert all(0 <= c < 1e4 for c in cpu) and sum(cpu) > 0  # the mock served them from this process
+    assert math.isnan(summary["peer"]["inf"]["server_cpu_ms_per_token"])  # no process to measure
     record = dict(args=dict(dataset="random", num_prompts=3, max_output_len=3, max_num_seqs=4, slo_ttft_ms=1e4,
                             slo_tpot_ms=1e4, rounds=2), summary=summary, notes={"peer": "a mock"},
                   command="python -m bench serve", machine=_machine())
@@ -223,6 +229,27 @@ def test_serve_measure_interleaves_engines_and_reports(tmp_path):
 
     png = plots.latency_vs_rate(summary, str(tmp_path / "serve.png"))
     assert png and open(png[0], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_server_cpu_seconds_counts_child_processes():
+    """cpu_seconds sums a server's process tree: a busy child's CPU time shows in its parent's total."""
+    import subprocess
+    import sys
+
+    from bench.servers import cpu_seconds
+
+    before = cpu_seconds(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.5: pass\ninput()"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while cpu_seconds(child.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cpu_seconds(child.pid) >= 0.5
+        assert cpu_seconds(os.getpid()) - before >= 0.5
+    finally:
+        child.communicate(b"\n", timeout=30)
+    assert cpu_seconds(child.pid) is None  # gone
 
 
 def _machine():
