@@ -22,9 +22,12 @@ between and wait forever.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -87,6 +90,12 @@ class AsyncLLM:
         self._error: EngineDeadError | None = None
         self._lock = threading.Lock()
         self._on_death: list = []  # callbacks(error), called from the engine thread when the loop dies
+        # Profiling (JAXSERVE_STEP_TRACE=path): the engine's per-step records plus this loop's time in each
+        # engine.step() call, written as JSON lines at shutdown.
+        self._trace_path = os.environ.get("JAXSERVE_STEP_TRACE")
+        self._loop_trace: list[dict] = []
+        if self._trace_path and hasattr(self.engine, "step_trace"):
+            self.engine.step_trace = []
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -159,6 +168,16 @@ class AsyncLLM:
             self.engine.shutdown()
         if self._leader is not None:
             self._leader.stop()  # the followers leave their step loops
+        if self._trace_path:
+            self._write_trace()
+
+    def _write_trace(self) -> None:
+        with open(self._trace_path, "w") as f:
+            for kind, records in (("step", getattr(self.engine, "step_trace", None) or []),
+                                  ("loop", self._loop_trace)):
+                for r in records:
+                    f.write(json.dumps({"kind": kind, **r}) + "\n")
+        logger.info("wrote the step trace to %s", self._trace_path)
 
     # ---- engine thread --------------------------------------------------------------------------------------
 
@@ -195,7 +214,11 @@ class AsyncLLM:
                 except queue.Empty:
                     pass
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
+                    t0 = time.perf_counter()
+                    outs = self.engine.step()
+                    if self._trace_path:
+                        self._loop_trace.append(dict(t=t0, step_ms=1e3 * (time.perf_counter() - t0), outputs=len(outs)))
+                    for out in outs:
                         sink = self._sinks.get(out.request_id)
                         if sink is None:
                             continue

@@ -108,7 +108,11 @@ class LLMEngine:
         self._failed_runs = 0  # consecutive steps whose device run raised for every request (see step)
         self.async_scheduling = bool(cfg.async_scheduling)
         self._in_flight: _Pending | None = None  # async scheduling: the step dispatched and not landed yet
+        self._last_landed = 0.0  # perf_counter when the last step landed
         self.num_overlapped_steps = 0  # steps the next one was scheduled behind (async scheduling)
+        # Profiling: when a list, one record per landed step (`_trace_step`); AsyncLLM fills it with
+        # JAXSERVE_STEP_TRACE=path and writes it as JSON lines.
+        self.step_trace: list[dict] | None = None
         # What loading left on the heap (tokenizer tables, weight pytrees, executables: ~10^5 objects per engine)
         # lives as long as the engine: moved out of the cyclic collector's generations, so the full collections that
         # steps' short-lived objects trigger do not walk it again. Measured with six engines in one process (bench
@@ -179,12 +183,12 @@ class LLMEngine:
         pending = self.begin_step()
         return [] if pending is None else self.finish_step(pending)
 
-    def begin_step(self, overlap: bool = False) -> _Pending | None:
+    def begin_step(self, overlap: bool = False, propose: bool = True) -> _Pending | None:
         """The first half of `step`: propose, schedule, build and dispatch the step to the devices without waiting
         for it (None: nothing to run). Until `finish_step`, the scheduler must not run again: the sequences and
         pages of the step in flight are not settled -- unless the step was `advanced` (async scheduling, `overlap`
-        and every sequence allows it: `_can_advance`)."""
-        if self.spec is not None:
+        and every sequence allows it: `_can_advance`). `propose=False`: the step has no drafts."""
+        if self.spec is not None and propose:
             self.spec.propose(self.scheduler.running)
         work = self.scheduler.schedule()
         if not work:
@@ -217,11 +221,20 @@ class LLMEngine:
     # max_model_len) is not scheduled at all. A step whose sequences need their new tokens on the host before the
     # next step is built (penalties: the next row's history; prompt logprobs; drafts) is not advanced: it lands
     # before the next step is scheduled.
+    #
+    # Speculation (n-gram, draft model): drafts come from the landed tokens, so a step that verifies drafts is built
+    # after the one before it lands, and lands before the next is built. A step that does not speculate overlaps
+    # like any other: with a step in flight, the next one is built at once, without drafts, when the controller
+    # would not speculate even if every sequence had its full cap of drafts (`Speculator.skip_proposal`: a loaded
+    # server); otherwise the step in flight lands first and the next one proposes from its tokens. Outputs are
+    # those of the synchronous engine (drafts never change them: the verification is lossless).
 
     def _step_async(self) -> list[RequestOutput]:
         prev, self._in_flight = self._in_flight, None
         overlap = prev is None or (prev.launched is not None and prev.launched.advanced)
-        nxt = self.begin_step(overlap=True) if overlap else None
+        if overlap and prev is not None and self.spec is not None:
+            overlap = self.spec.skip_proposal(self.scheduler.running)
+        nxt = self.begin_step(overlap=True, propose=prev is None) if overlap else None
         outputs: list[RequestOutput] = []
         if prev is not None:
             try:
@@ -243,7 +256,7 @@ class LLMEngine:
 
     def _can_advance(self, work: list[ScheduledWork]) -> bool:
         """Whether the next step may be built before this one lands (see above)."""
-        return self.spec is None and self.num_microbatches == 1 and all(
+        return self.num_microbatches == 1 and all(
             w.num_draft == 0 and w.seq.params.prompt_logprobs is None and not w.seq.params.has_penalties
             for w in work)
 
@@ -375,19 +388,38 @@ class LLMEngine:
             if not self.runner.kv_is_intact():
                 raise EngineDeadError(e) from e
             raise _RunFailed(e) from e
-        run_seconds = time.perf_counter() - launched.t0
+        now = time.perf_counter()
+        # the step's own time: from its dispatch, or, if it was queued behind the step before (async scheduling),
+        # from when that one landed
+        run_seconds = now - max(launched.t0, self._last_landed)
+        self._last_landed = now
         self.num_steps += 1
+        if self.step_trace is not None:
+            self._trace_step(launched, run_seconds)
         for g, (_, prompt_lp) in zip(groups, results):
             if prompt_lp is not None:
                 self.output.record_prompt_logprobs(g, prompt_lp)
         out = results[0][0] if len(results) == 1 else _concat_rows(
             [(o, sum(1 + w.num_draft for w in g)) for g, (o, _) in zip(groups, results)])
         if launched.advanced:
-            return self._process_advanced(launched, out, failed)
-        outputs = self._process(work, out, failed)  # an EAGLE-3 head drafts for the next step in here (timed)
-        if self.spec is not None and timed:
-            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)
+            outputs = self._process_advanced(launched, out, failed)
+        else:
+            outputs = self._process(work, out, failed)  # an EAGLE-3 head drafts for the next step in here (timed)
+        if self.spec is not None and timed:  # an advanced step had no proposer work (it was built without drafts)
+            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds,
+                                  with_proposer=not launched.advanced)
         return outputs
+
+    def _trace_step(self, launched: _Launched, run_seconds: float) -> None:
+        """One landed step's record: when it was dispatched and how long until its outputs were on the host, its
+        padded size, and its mix of decodes (drafts verified) and prompt tokens."""
+        work = launched.work
+        decodes = [w for w in work if w.completes_sequence and w.num_tokens - w.num_draft == 1]
+        self.step_trace.append(dict(
+            t=launched.t0, run_ms=1e3 * run_seconds, bucket=launched.steps[0][0].num_tokens, seqs=len(work),
+            tokens=sum(w.num_tokens for w in work), decodes=len(decodes), drafts=sum(w.num_draft for w in work),
+            prefill=sum(w.num_tokens for w in work) - sum(1 + w.num_draft for w in decodes),
+            waiting=len(self.scheduler.waiting), overlapped=launched.advanced))
 
     def _microbatches(self, work: list[ScheduledWork]) -> list[list[ScheduledWork]]:
         """The step's work as the runner's micro-batches: one group, or under pipeline parallelism up to one per

@@ -180,11 +180,55 @@ def test_a_failed_step_with_the_next_in_flight_fails_only_its_culprit(path):
 
 
 def test_async_scheduling_is_refused_where_unsupported():
-    spec = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert resolve_async_scheduling(spec) is False
-    with pytest.raises(ValueError, match="does not support speculative decoding"):
-        resolve_async_scheduling(spec.replace(async_scheduling=True))
+    ngram = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert resolve_async_scheduling(ngram) is True  # overlaps the steps that do not speculate
+    eagle = EngineConfig(speculative_config={"method": "eagle3", "model": "/head", "num_speculative_tokens": 2})
+    assert resolve_async_scheduling(eagle) is False
+    with pytest.raises(ValueError, match="does not support EAGLE-3"):
+        resolve_async_scheduling(eagle.replace(async_scheduling=True))
     with pytest.raises(ValueError, match="does not support pipeline parallelism"):
         resolve_async_scheduling(EngineConfig(mesh="pp2", async_scheduling=True))
     assert resolve_async_scheduling(EngineConfig()) is True
     assert resolve_async_scheduling(EngineConfig(async_scheduling=False)) is False
+
+
+def _repetitive_workload(n=8):
+    """Prompts that repeat themselves (n-gram lookup finds drafts), greedy, with stops and length limits."""
+    rng = np.random.default_rng(7)
+    prompts, params = [], []
+    for i in range(n):
+        motif = rng.integers(3, 300, int(rng.integers(3, 8))).tolist()
+        prompts.append({"prompt_token_ids": (motif * 6)[: int(rng.integers(12, 36))]})
+        stops = [] if i % 3 else [int(t) for t in rng.integers(3, 300, 8)]
+        params.append(SamplingParams(temperature=0, max_tokens=int(rng.integers(5, 28)), stop_token_ids=stops,
+                                     ignore_eos=True))
+    return prompts, params
+
+
+def test_ngram_speculation_overlaps_the_steps_that_do_not_speculate(path, monkeypatch):
+    """With n-gram speculation, a step that verifies drafts is built from landed tokens and lands before the next
+    one; a step the controller would not speculate in overlaps. The controller is made to alternate (K = 0 on every
+    other decision, whatever the timings), so both kinds of steps occur; greedy outputs equal the synchronous
+    engine's and the non-speculative engine's."""
+    from jaxserve.spec_decode import controller
+
+    def alternate(self, base_tokens, draft_lens, optimistic=False):
+        decision = self.num_decisions + 1  # an optimistic call predicts the next decision
+        if not optimistic:
+            self.num_decisions = decision
+        return self.k_max if decision % 2 else 0
+
+    monkeypatch.setattr(controller.SpecController, "choose_k", alternate)
+    prompts, params = _repetitive_workload()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    want = [o.outputs[0].token_ids for o in LLM(path, async_scheduling=False, **CFG).generate(
+        prompts, params, use_tqdm=False)]
+    for mode in (False, True):
+        llm = LLM(path, async_scheduling=mode, speculative_config=spec, **CFG)
+        eng = llm.llm_engine
+        assert eng.async_scheduling is mode
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want, mode
+        assert eng.spec.metrics.num_steps > 0  # drafts were verified
+        assert (eng.num_overlapped_steps > 0) is mode
+        _idle(llm)

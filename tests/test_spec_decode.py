@@ -497,8 +497,16 @@ def test_controller_counts_the_draft_models_time(tiny, monkeypatch):
     monkeypatch.setattr(eng.proposer, "after_schedule", slow_propose)
     choices = []
     choose = eng.spec.controller.choose_k
-    monkeypatch.setattr(eng.spec.controller, "choose_k",
-                        lambda base, lens: choices.append(choose(base, lens)) or choices[-1])
+
+    def recorded(base, lens, optimistic=False):
+        k = choose(base, lens, optimistic)
+        # an optimistic call is async scheduling asking whether the next step may skip proposing: K = 0 is then
+        # that step's decision (`Speculator.skip_proposal`); K > 0 hands the decision to `propose`
+        if not optimistic or k == 0:
+            choices.append(k)
+        return k
+
+    monkeypatch.setattr(eng.spec.controller, "choose_k", recorded)
     prompts = [{"prompt_token_ids": p} for p in _repetitive_prompts(4, seed=3)]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)

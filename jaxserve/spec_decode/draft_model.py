@@ -51,7 +51,8 @@ class DraftModelProposer(Proposer):
         # on a sharded target the draft model runs whole on the target's first device: it shares no arrays with
         # the target (tokens travel through the host), and is small enough that splitting it would cost more
         mesh_cfg = None if engine_cfg.mesh is None else engine_cfg.mesh.first_device()
-        self.cfg = engine_cfg.replace(speculative_config=None, mesh=mesh_cfg)
+        # its own steps are built and run synchronously, inside the target step's proposal
+        self.cfg = engine_cfg.replace(speculative_config=None, mesh=mesh_cfg, async_scheduling=False)
         weights = to_weights(ckpt.config, ckpt.tensors, jnp.dtype(engine_cfg.dtype), ckpt.path, ckpt.quantization)
         self.runner = ModelRunner(ckpt.config, self.cfg, weights, engine_cfg.dtype,
                                   mesh=None if mesh_cfg is None else sharding.make_mesh(mesh_cfg))

@@ -77,6 +77,22 @@ class Speculator:
             elif k > 0:
                 seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
 
+    def skip_proposal(self, running: list[Sequence]) -> bool:
+        """Async scheduling, with a step in flight: True if the next step will not speculate, so it can be built
+        now, without drafts (`running` holds tokens still being sampled, which a proposer cannot see). The
+        controller decides as if every decoding sequence had its full cap of drafts, the most speculation could
+        gain: if even that loses to no speculation (a loaded server), real drafts would too. A skipped step counts
+        as the controller's decision (its exploring goes on while steps overlap); otherwise `propose` decides."""
+        budget = self.cfg.max_num_batched_tokens
+        base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
+        caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
+        if caps and self.controller.choose_k(min(base, budget), caps, optimistic=True) > 0:
+            return False
+        self.controller.num_decisions += 1
+        for seq in running:
+            seq.spec_token_ids = []
+        return True
+
     def after_schedule(self, work: list[ScheduledWork]) -> None:
         t = time.perf_counter()
         self.proposer.after_schedule(work)
@@ -105,9 +121,11 @@ class Speculator:
         caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
         return self.controller.choose_k(min(base, budget), caps, optimistic=True)
 
-    def record_step(self, bucket, num_tokens: int, run_seconds: float) -> None:
-        """The target step's time plus the proposer's work for it, for the controller's cost model."""
+    def record_step(self, bucket, num_tokens: int, run_seconds: float, with_proposer: bool = True) -> None:
+        """The target step's time plus the proposer's work for it (`with_proposer`), for the controller's cost
+        model. A step that overlapped the one before (async scheduling) costs its own device time: the host work
+        it hid is what makes such steps cheaper, and the controller should see it."""
         if bucket in self._timed_buckets:
-            self.controller.record_step(num_tokens, run_seconds + self.step_seconds)
+            self.controller.record_step(num_tokens, run_seconds + (self.step_seconds if with_proposer else 0.0))
         else:  # a bucket's first run is an outlier (one-time allocations), and a pessimistic first sample would
             self._timed_buckets.add(bucket)  # never be revisited: the controller would avoid that size
