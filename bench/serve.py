@@ -41,7 +41,10 @@ LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engines", nargs="+", default=["jaxserve", "llamacpp", "vllm"],
-                    help="servers to start (jaxserve, llamacpp, vllm); missing ones are skipped")
+                    help="servers to start (jaxserve, jaxserve-ngram, llamacpp, vllm); missing ones are skipped. "
+                         "jaxserve-ngram: jaxserve with --ngram-config speculation")
+    ap.add_argument("--ngram-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                    help="jaxserve-ngram's --speculative-config (adaptive K by default)")
     ap.add_argument("--url", help="benchmark this running server instead of starting any (grpc: host:port)")
     ap.add_argument("--protocol", choices=["http", "grpc"], default="http",
                     help="http: OpenAI /v1/completions SSE (every engine); grpc: jaxserve.v1 Generate (jaxserve only)")
@@ -202,13 +205,15 @@ def run(args) -> dict:
         notes["server"] = f"running server at {args.url}"
     else:
         for name in args.engines:
-            if args.protocol == "grpc" and name != "jaxserve":
+            if args.protocol == "grpc" and not name.startswith("jaxserve"):
                 notes[name] = "skipped: only jaxserve serves jaxserve.v1 gRPC"
                 print(f"[serve] {name} {notes[name]}", flush=True)
                 continue
+            jaxserve_args = shlex.split(args.jaxserve_args)
+            if name == "jaxserve-ngram":
+                jaxserve_args += ["--speculative-config", args.ngram_config]
             srv, note = servers.start(name, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                      log_dir=LOG_DIR, timeout_s=args.server_timeout,
-                                      jaxserve_args=shlex.split(args.jaxserve_args),
+                                      log_dir=LOG_DIR, timeout_s=args.server_timeout, jaxserve_args=jaxserve_args,
                                       llamacpp_gguf=args.llamacpp_gguf)
             if srv is None:
                 print(f"[serve] {name} skipped: {note}", flush=True)

@@ -114,14 +114,14 @@ def start(name: str, *, max_num_seqs: int, max_model_len: int, log_dir: str, tim
     `llamacpp_gguf`: the file llama.cpp serves, a `peers.GGUF_VARIANTS` name or a path (None: `llamacpp_gguf()`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    if name == "jaxserve":
+    if name.startswith("jaxserve"):  # jaxserve, or a variant of it (bench serve's jaxserve-ngram)
         grpc_port = free_port()
         cmd = [sys.executable, "-m", "service", "serve", "--http-port", str(port), "--grpc-port", str(grpc_port),
                "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                "--served-model-name", "smollm2", *jaxserve_args]
         proc, why = _launch(name, cmd, {}, log_dir, url + "/health", timeout_s)
         srv = Server(name, url, "smollm2", {"ignore_eos": True}, proc, grpc_target=f"127.0.0.1:{grpc_port}")
-        return (srv, "") if proc else (None, why)
+        return (srv, " ".join(jaxserve_args)) if proc else (None, why)
     if name == "llamacpp":
         if llamacpp_gguf is None:
             gguf, why = peers.llamacpp_gguf()

@@ -85,7 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="schedule and dispatch step N+1 while step N runs, its sampled tokens fed on the device (default: on "
-        "where supported; not with speculative decoding or pipeline stages)",
+        "where supported; with n-gram or draft-model speculation for the steps that do not speculate; not with "
+        "EAGLE-3 or pipeline stages)",
     )
 
 

@@ -73,3 +73,41 @@ def test_reported_percentiles_match_the_raw_records(server, rate):
     if not math.isinf(rate):  # Poisson arrivals: the run lasts at least until the last request was sent
         assert wall >= max(r.start for r in results) - min(r.start for r in results)
     wait_engine_idle(server)
+
+
+def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_is_prefilled(tmp_path):
+    """Chunked prefill keeps decodes going: while a 400-token prompt is prefilled in budget-sized chunks, the
+    stream already running gets one token in every step (its inter-token gap is one step, never a whole prefill),
+    and each step stays within the token budget."""
+    from jaxserve import SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+    from tiny_models import make_tiny_model
+
+    make_tiny_model("llama_gqa", str(tmp_path))
+    budget = 32
+    eng = LLMEngine(str(tmp_path), EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget, page_size=16,
+                                                max_model_len=512, precompile=False))
+    assert eng.async_scheduling
+    eng.add_request("stream", {"prompt_token_ids": list(range(3, 13))},
+                    SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    tokens = {"stream": 0, "long": 0}
+
+    def step():
+        for out in eng.step():
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
+
+    while tokens["stream"] < 3:
+        step()
+    eng.step_trace = []
+    eng.add_request("long", {"prompt_token_ids": [3 + i % 250 for i in range(400)]},
+                    SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    gaps = []
+    while tokens["long"] == 0:
+        before = tokens["stream"]
+        step()
+        gaps.append(tokens["stream"] - before)
+    prefill_steps = [r for r in eng.step_trace if r["prefill"] > 0]
+    assert len(prefill_steps) == math.ceil(400 / (budget - 1))  # the prompt in chunks beside the one decode
+    assert all(r["decodes"] == 1 and r["tokens"] <= budget for r in prefill_steps)
+    assert gaps and all(g == 1 for g in gaps), gaps  # a token for the stream from every step
