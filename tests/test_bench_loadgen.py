@@ -298,3 +298,22 @@ def test_grpc_client_against_a_mock_generation_service():
     assert list(by_prompt["token_ids"].token_ids.ids) == [1, 2, 3]
     assert by_prompt["text"].sampling_params.ignore_eos and by_prompt["text"].sampling_params.temperature == 0.0
     assert metrics(results, wall)["errors"] == {"gRPC INVALID_ARGUMENT": 1}
+
+
+def test_settle_waits_for_other_servers_to_go_idle():
+    """serve.settle returns once the other servers use no CPU: not while one still works, right away when idle."""
+    import subprocess
+    import sys
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 2.5: pass\n"
+                             "time.sleep(60)"])
+    try:
+        t0 = time.monotonic()
+        asyncio.run(serve.settle({"busy": busy.pid, "gone": None}, timeout_s=30))
+        assert time.monotonic() - t0 >= 1.5  # it waited for the busy loop to end
+        t0 = time.monotonic()
+        asyncio.run(serve.settle({"busy": busy.pid}, timeout_s=30))
+        assert time.monotonic() - t0 < 5  # idle now: one one-second look
+    finally:
+        busy.kill()
+        busy.wait()
