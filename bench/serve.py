@@ -42,7 +42,8 @@ LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engines", nargs="+", default=["jaxserve", "llamacpp", "vllm"],
                     help="servers to start (jaxserve, jaxserve-ngram, llamacpp, vllm); missing ones are skipped. "
-                         "jaxserve-ngram: jaxserve with --ngram-config speculation")
+                         "jaxserve-ngram: jaxserve with --ngram-config speculation; LABEL=FLAGS: jaxserve with extra "
+                         "`jaxserve serve` FLAGS, reported as LABEL (jaxserve-b256='--max-num-batched-tokens 256')")
     ap.add_argument("--ngram-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
                     help="jaxserve-ngram's --speculative-config (adaptive K by default)")
     ap.add_argument("--url", help="benchmark this running server instead of starting any (grpc: host:port)")
@@ -170,14 +171,15 @@ def medians(rounds: list[dict]) -> dict:
 def report(record: dict) -> str:
     a, res = record["args"], record["summary"]
     header = ["engine", "rate req/s", "done req/s", "out tok/s", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
-              "ITL p50/p99 ms", "goodput req/s", "SLO met", "failed", "server CPU ms/token"]
+              "ITL p50/p90/p99 ms", "goodput req/s", "SLO met", "failed", "server CPU ms/token"]
     rows = []
     for name, by_rate in res.items():
         for rate, m in by_rate.items():
             t, p, i = m["ttft_ms"], m["tpot_ms"], m["itl_ms"]
             rows.append([name, rate, f"{m['request_throughput']:.2f}", m["output_tok_s"],
                          f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f}",
-                         f"{p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f}", f"{i['p50']:.1f} / {i['p99']:.1f}",
+                         f"{p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f}",
+                         f"{i['p50']:.1f} / {i['p90']:.1f} / {i['p99']:.1f}",
                          f"{m['goodput']:.2f}", f"{100 * m['slo_attainment']:.0f}%", int(m["failed"]),
                          f"{m.get('server_cpu_ms_per_token', math.nan):.1f}"])
     proto = "jaxserve.v1 gRPC `Generate`" if a.get("protocol") == "grpc" else "OpenAI `/v1/completions`"
@@ -225,11 +227,14 @@ def run(args) -> dict:
         notes["server"] = f"running server at {args.url}"
     else:
         for name in args.engines:
+            name, _, flags = name.partition("=")
+            if flags and not name.startswith("jaxserve"):
+                raise SystemExit(f"serve: a server with flags must be a jaxserve variant named jaxserve-*: {name!r}")
             if args.protocol == "grpc" and not name.startswith("jaxserve"):
                 notes[name] = "skipped: only jaxserve serves jaxserve.v1 gRPC"
                 print(f"[serve] {name} {notes[name]}", flush=True)
                 continue
-            jaxserve_args = shlex.split(args.jaxserve_args)
+            jaxserve_args = shlex.split(args.jaxserve_args) + shlex.split(flags)
             if name == "jaxserve-ngram":
                 jaxserve_args += ["--speculative-config", args.ngram_config]
             srv, note = servers.start(name, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

@@ -83,10 +83,8 @@ class Speculator:
         controller decides as if every decoding sequence had its full cap of drafts, the most speculation could
         gain: if even that loses to no speculation (a loaded server), real drafts would too. A skipped step counts
         as the controller's decision (its exploring goes on while steps overlap); otherwise `propose` decides."""
-        budget = self.cfg.max_num_batched_tokens
-        base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
-        caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
-        if caps and self.controller.choose_k(min(base, budget), caps, optimistic=True) > 0:
+        base, caps = self._next_step(running)
+        if caps and self.controller.choose_k(base, caps, optimistic=True) > 0:
             return False
         self.controller.num_decisions += 1
         for seq in running:
@@ -115,11 +113,16 @@ class Speculator:
         """The K the controller would choose for a next step made of the running sequences as they are now, each
         decoding one that may speculate with its full cap of drafts: how many drafts a proposer that drafts ahead
         (EAGLE-3) should make; 0 = the next step would not speculate."""
+        return self.controller.choose_k(*self._next_step(running), optimistic=True)
+
+    def _next_step(self, running: list[Sequence]) -> tuple[int, list[int]]:
+        """A next step made of the running sequences as they are now: its tokens without drafts (within the
+        budget), and the draft cap of each decoding sequence that may speculate."""
         budget = self.cfg.max_num_batched_tokens
         running = [s for s in running if not s.is_finished]
         base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
         caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
-        return self.controller.choose_k(min(base, budget), caps, optimistic=True)
+        return min(base, budget), caps
 
     def record_step(self, bucket, num_tokens: int, run_seconds: float, with_proposer: bool = True) -> None:
         """The target step's time plus the proposer's work for it (`with_proposer`), for the controller's cost
