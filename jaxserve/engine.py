@@ -65,6 +65,7 @@ class _Launched:
     groups: list[list[ScheduledWork]]
     steps: list[tuple]  # (Bucket, StepBatch) per micro-batch
     t0: float  # when it was dispatched
+    t_begin: float  # when its step began (before proposing and scheduling)
     device_outputs: list | None = None
     error: BaseException | None = None
     # Async scheduling: the sequences were advanced when the step was dispatched (`_advance_launched`), so the next
@@ -188,6 +189,7 @@ class LLMEngine:
         for it (None: nothing to run). Until `finish_step`, the scheduler must not run again: the sequences and
         pages of the step in flight are not settled -- unless the step was `advanced` (async scheduling, `overlap`
         and every sequence allows it: `_can_advance`). `propose=False`: the step has no drafts."""
+        t_begin = time.perf_counter()
         if self.spec is not None and propose:
             self.spec.propose(self.scheduler.running)
         work = self.scheduler.schedule()
@@ -196,7 +198,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.after_schedule(work)
         failed: list[RequestOutput] = []
-        launched = self._launch(work, failed)
+        launched = self._launch(work, failed, t_begin)
         if overlap and launched is not None and launched.error is None and self._can_advance(launched.work):
             self._advance_launched(launched)
         return _Pending(work, failed, launched)
@@ -354,7 +356,8 @@ class LLMEngine:
         raises _RunFailed if the device step raised (KV cache intact) and EngineDeadError if it lost the cache."""
         return self._land(self._launch(work, failed), failed, timed)
 
-    def _launch(self, work: list[ScheduledWork], failed: list[RequestOutput]) -> _Launched | None:
+    def _launch(self, work: list[ScheduledWork], failed: list[RequestOutput], t_begin: float | None = None
+                ) -> _Launched | None:
         """Build `work` into micro-batches and dispatch them (not waited for); rows that cannot be built fail their
         request into `failed`. None if nothing is left to run."""
         while True:
@@ -367,7 +370,8 @@ class LLMEngine:
                 work = [w for w in work if w.seq.request_id in self.requests]
                 if not work:
                     return None
-        launched = _Launched(work, groups, steps, time.perf_counter())
+        t0 = time.perf_counter()
+        launched = _Launched(work, groups, steps, t0, t0 if t_begin is None else t_begin)
         try:
             launched.device_outputs = self.runner.dispatch(steps)
         except Exception as e:  # raised again by _land, where the step's failure is handled
@@ -389,9 +393,10 @@ class LLMEngine:
                 raise EngineDeadError(e) from e
             raise _RunFailed(e) from e
         now = time.perf_counter()
-        # the step's own time: from its dispatch, or, if it was queued behind the step before (async scheduling),
-        # from when that one landed
-        run_seconds = now - max(launched.t0, self._last_landed)
+        # What the step costs the engine, its period: a step that overlapped the one before (async scheduling) from
+        # when that one landed; a step built after the one before landed, from when it began (proposing,
+        # scheduling, building), plus its processing below, which the next step waits for.
+        run_seconds = now - (max(launched.t0, self._last_landed) if launched.advanced else launched.t_begin)
         self._last_landed = now
         self.num_steps += 1
         if self.step_trace is not None:
@@ -404,10 +409,10 @@ class LLMEngine:
         if launched.advanced:
             outputs = self._process_advanced(launched, out, failed)
         else:
-            outputs = self._process(work, out, failed)  # an EAGLE-3 head drafts for the next step in here (timed)
-        if self.spec is not None and timed:  # an advanced step had no proposer work (it was built without drafts)
-            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds,
-                                  with_proposer=not launched.advanced)
+            outputs = self._process(work, out, failed)  # an EAGLE-3 head drafts for the next step in here
+            run_seconds += time.perf_counter() - now
+        if self.spec is not None and timed:
+            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)
         return outputs
 
     def _trace_step(self, launched: _Launched, run_seconds: float) -> None:

@@ -7,13 +7,12 @@ The engine calls the same four hooks whatever the method, so it has no per-metho
   3. `verified(seq, ...)` per sequence once the target has verified its drafts;
   4. `after_step(work, starts, hidden)` before finished sequences free their pages: a proposer that drafts from the
      target's features makes the next step's drafts now (EAGLE-3).
-It also times the proposer's device work of each step, so the controller weighs a step size by what it really
-costs (the target's step plus the drafting for it).
+The engine times each step's whole period (proposing, scheduling, building, the device step, processing its
+outputs, an EAGLE-3 head's drafting; or, for a step that overlapped the one before, the time between their
+landings) and hands it to `record_step`, so the controller weighs a step size by what it really costs.
 """
 
 from __future__ import annotations
-
-import time
 
 from jaxserve.config import EngineConfig
 from jaxserve.scheduler import ScheduledWork
@@ -28,7 +27,6 @@ class Speculator:
         self.cfg = cfg
         self.proposer = proposer
         self.controller = SpecController(cfg.speculative_config, cfg.token_buckets)
-        self.step_seconds = 0.0  # the proposer's device work for the current step
         self._timed_buckets: set = set()  # buckets whose step time the controller has seen once
 
     @property
@@ -60,7 +58,6 @@ class Speculator:
 
     def propose(self, running: list[Sequence]) -> None:
         """Drafts for every decoding sequence (the scheduler decides how many of them it can verify)."""
-        self.step_seconds = 0.0
         budget = self.cfg.max_num_batched_tokens
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
@@ -92,9 +89,7 @@ class Speculator:
         return True
 
     def after_schedule(self, work: list[ScheduledWork]) -> None:
-        t = time.perf_counter()
         self.proposer.after_schedule(work)
-        self.step_seconds += time.perf_counter() - t
 
     def verified(self, seq: Sequence, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
         self.controller.record(num_draft, num_accepted)
@@ -105,9 +100,7 @@ class Speculator:
     def after_step(self, work: list[ScheduledWork], starts: list[int], running: list[Sequence], hidden) -> None:
         if type(self.proposer).after_step is Proposer.after_step:
             return  # the no-op hook: skip the controller's next-step hint too (a pass over the running sequences)
-        t = time.perf_counter()
         self.proposer.after_step(work, starts, hidden, self.draft_cap, self._k_hint(running))
-        self.step_seconds += time.perf_counter() - t
 
     def _k_hint(self, running: list[Sequence]) -> int:
         """The K the controller would choose for a next step made of the running sequences as they are now, each
@@ -124,11 +117,9 @@ class Speculator:
         caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
         return min(base, budget), caps
 
-    def record_step(self, bucket, num_tokens: int, run_seconds: float, with_proposer: bool = True) -> None:
-        """The target step's time plus the proposer's work for it (`with_proposer`), for the controller's cost
-        model. A step that overlapped the one before (async scheduling) costs its own device time: the host work
-        it hid is what makes such steps cheaper, and the controller should see it."""
+    def record_step(self, bucket, num_tokens: int, seconds: float) -> None:
+        """A step's period (the engine's timing: see the module docstring), for the controller's cost model."""
         if bucket in self._timed_buckets:
-            self.controller.record_step(num_tokens, run_seconds + (self.step_seconds if with_proposer else 0.0))
+            self.controller.record_step(num_tokens, seconds)
         else:  # a bucket's first run is an outlier (one-time allocations), and a pessimistic first sample would
             self._timed_buckets.add(bucket)  # never be revisited: the controller would avoid that size
