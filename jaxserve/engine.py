@@ -416,7 +416,7 @@ class LLMEngine:
         return outputs
 
     def _trace_step(self, launched: _Launched, run_seconds: float) -> None:
-        """One landed step's record: when it was dispatched and how long until its outputs were on the host, its
+        """One landed step's record: when it was dispatched, its period (`run_seconds`, as `_land` times it), its
         padded size, and its mix of decodes (drafts verified) and prompt tokens."""
         work = launched.work
         decodes = [w for w in work if w.completes_sequence and w.num_tokens - w.num_draft == 1]

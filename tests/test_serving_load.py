@@ -111,3 +111,32 @@ def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_is_prefill
     assert len(prefill_steps) == math.ceil(400 / (budget - 1))  # the prompt in chunks beside the one decode
     assert all(r["decodes"] == 1 and r["tokens"] <= budget for r in prefill_steps)
     assert gaps and all(g == 1 for g in gaps), gaps  # a token for the stream from every step
+
+
+def test_step_trace_env_writes_one_record_per_step(tmp_path, monkeypatch):
+    """JAXSERVE_STEP_TRACE=path: AsyncLLM writes the engine's per-step records and its loop's step() timings as JSON
+    lines at shutdown; the records add up to the tokens the requests computed."""
+    import json
+
+    from jaxserve import AsyncLLM, SamplingParams
+    from jaxserve.config import EngineConfig
+    from tiny_models import make_tiny_model
+
+    make_tiny_model("llama_gqa", str(tmp_path / "m"))
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("JAXSERVE_STEP_TRACE", str(trace))
+    llm = AsyncLLM(str(tmp_path / "m"), EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
+                                                     max_model_len=256, precompile=False))
+
+    async def go():
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        async for _ in llm.generate({"prompt_token_ids": list(range(3, 43))}, params, "a"):
+            pass
+
+    asyncio.run(go())
+    llm.shutdown()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert steps and any(r["kind"] == "loop" for r in records)
+    assert sum(r["prefill"] for r in steps) == 40 and sum(r["decodes"] for r in steps) == 4
+    assert all(r["run_ms"] > 0 and r["tokens"] <= r["bucket"] <= 32 for r in steps)
