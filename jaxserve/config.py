@@ -200,7 +200,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     precompile: bool = True  # compile every (tokens, pages) bucket at start; False = compile each on first use
     # Schedule and dispatch step N+1 while step N runs on the device, its sampled tokens fed to N+1 on the device
-    # (vLLM's async scheduling; `engine.py`). None = on where it is supported (no speculation, no pipeline stages);
+    # (vLLM's async scheduling; `engine.py`). None = on where it is supported (not with pipeline stages);
     # True where it is not is refused.
     async_scheduling: bool | None = None
     priority_aging_steps: int = 100  # a waiting request gains one priority level per this many steps

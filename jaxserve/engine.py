@@ -68,6 +68,7 @@ class _Launched:
     t_begin: float  # when its step began (before proposing and scheduling)
     device_outputs: list | None = None
     error: BaseException | None = None
+    hidden: object = None  # the step's target features on device (EAGLE-3: `ModelRunner.last_hidden`)
     # Async scheduling: the sequences were advanced when the step was dispatched (`_advance_launched`), so the next
     # step could be scheduled before this one lands. Per work item: its start and whether it samples a token.
     advanced: bool = False
@@ -224,12 +225,15 @@ class LLMEngine:
     # next step is built (penalties: the next row's history; prompt logprobs; drafts) is not advanced: it lands
     # before the next step is scheduled.
     #
-    # Speculation (n-gram, draft model): drafts come from the landed tokens, so a step that verifies drafts is built
-    # after the one before it lands, and lands before the next is built. A step that does not speculate overlaps
-    # like any other: with a step in flight, the next one is built at once, without drafts, when the controller
-    # would not speculate even if every sequence had its full cap of drafts (`Speculator.skip_proposal`: a loaded
-    # server); otherwise the step in flight lands first and the next one proposes from its tokens. Outputs are
-    # those of the synchronous engine (drafts never change them: the verification is lossless).
+    # Speculation: drafts come from the landed tokens (n-gram, draft model) or from the head that runs when the step
+    # before lands (EAGLE-3), so a step that verifies drafts is built after the one before it lands, and lands
+    # before the next is built. A step that does not speculate overlaps like any other: with a step in flight, the
+    # next one is built at once, without drafts, when the controller would not speculate even if every sequence
+    # had its full cap of drafts (`Speculator.skip_proposal`: a loaded server); otherwise the step in flight lands
+    # first and the next one proposes from its tokens (an EAGLE-3 head catches up on it and drafts when it lands).
+    # An EAGLE-3 head does not run for a step landing with the next in flight: it is off for those sequences, as
+    # when the synchronous engine's controller would not speculate (`spec_decode/eagle3.py`). Outputs are those of
+    # the synchronous engine (drafts never change them: the verification is lossless).
 
     def _step_async(self) -> list[RequestOutput]:
         prev, self._in_flight = self._in_flight, None
@@ -240,7 +244,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if prev is not None:
             try:
-                landed = self._land(prev.launched, prev.failed, timed=True)
+                landed = self._land(prev.launched, prev.failed, timed=True, behind=nxt is not None)
                 self._failed_runs = 0
             except _RunFailed as e:
                 if nxt is not None:  # built on prev's tokens: undone, its sequences are scheduled again
@@ -288,10 +292,12 @@ class LLMEngine:
                 self.scheduler.roll_back(seq, start)
         launched.advanced = False
 
-    def _process_advanced(self, launched: _Launched, out: SamplerOutput,
-                          failed: list[RequestOutput]) -> list[RequestOutput]:
+    def _process_advanced(self, launched: _Launched, out: SamplerOutput, failed: list[RequestOutput],
+                          behind: bool) -> list[RequestOutput]:
         """`_process` for an advanced step: its sequences moved on at dispatch, so only the sampled tokens are
-        appended (a sequence that ended, or whose request did, since the step was built skips its row)."""
+        appended (a sequence that ended, or whose request did, since the step was built skips its row). An EAGLE-3
+        head then catches up on the step and drafts for the next one, unless that one is in flight `behind` it
+        (built without drafts): then it only catches up, or does not run if the controller would not speculate."""
         now = time.time()
         touched: dict[str, Request] = {}
         finished: list[Sequence] = []
@@ -317,6 +323,12 @@ class LLMEngine:
             if seq.is_finished:
                 finished.append(seq)
             touched[req.request_id] = req
+        if self.spec is not None:  # before finished sequences free their pages (see `_process`)
+            # every token of the step was kept (it verified no drafts), unless its sequence was preempted since
+            ends = [start + w.num_tokens if w.seq.num_computed_tokens >= start + w.num_tokens
+                    else w.seq.num_computed_tokens for w, start in zip(launched.work, launched.starts)]
+            self.spec.after_step(launched.work, launched.starts, ends, self.scheduler.running, launched.hidden,
+                                 draft=not behind)
         return self._emit(finished, touched)
 
     def _emit(self, finished: list[Sequence], touched: dict[str, Request]) -> list[RequestOutput]:
@@ -374,13 +386,16 @@ class LLMEngine:
         launched = _Launched(work, groups, steps, t0, t0 if t_begin is None else t_begin)
         try:
             launched.device_outputs = self.runner.dispatch(steps)
+            launched.hidden = self.runner.last_hidden
         except Exception as e:  # raised again by _land, where the step's failure is handled
             launched.error = e
         return launched
 
-    def _land(self, launched: _Launched | None, failed: list[RequestOutput], timed: bool = False
-              ) -> list[RequestOutput]:
-        """Wait for a launched step and process its outputs (see `_run`)."""
+    def _land(self, launched: _Launched | None, failed: list[RequestOutput], timed: bool = False,
+              behind: bool = False) -> list[RequestOutput]:
+        """Wait for a launched step and process its outputs (see `_run`). `behind`: the next step is already in
+        flight (async scheduling), built without drafts: the step's processing does not delay it, and an EAGLE-3
+        head does not draft for it."""
         if launched is None:
             return []
         work, groups, steps = launched.work, launched.groups, launched.steps
@@ -394,8 +409,9 @@ class LLMEngine:
             raise _RunFailed(e) from e
         now = time.perf_counter()
         # What the step costs the engine, its period: a step that overlapped the one before (async scheduling) from
-        # when that one landed; a step built after the one before landed, from when it began (proposing,
-        # scheduling, building), plus its processing below, which the next step waits for.
+        # when that one landed, a step built after the one before landed from when it began (proposing,
+        # scheduling, building); plus its processing below unless the next step is in flight behind it (otherwise
+        # the next step waits for it).
         run_seconds = now - (max(launched.t0, self._last_landed) if launched.advanced else launched.t_begin)
         self._last_landed = now
         self.num_steps += 1
@@ -407,9 +423,10 @@ class LLMEngine:
         out = results[0][0] if len(results) == 1 else _concat_rows(
             [(o, sum(1 + w.num_draft for w in g)) for g, (o, _) in zip(groups, results)])
         if launched.advanced:
-            outputs = self._process_advanced(launched, out, failed)
+            outputs = self._process_advanced(launched, out, failed, behind)
         else:
-            outputs = self._process(work, out, failed)  # an EAGLE-3 head drafts for the next step in here
+            outputs = self._process(work, out, failed, launched.hidden)  # an EAGLE-3 head drafts in here
+        if not behind:
             run_seconds += time.perf_counter() - now
         if self.spec is not None and timed:
             self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)
@@ -435,8 +452,8 @@ class LLMEngine:
         starts = itertools.accumulate(sizes, initial=0)
         return [work[a:a + n] for a, n in zip(starts, sizes)]
 
-    def _process(self, work: list[ScheduledWork], out: SamplerOutput,
-                 failed: list[RequestOutput]) -> list[RequestOutput]:
+    def _process(self, work: list[ScheduledWork], out: SamplerOutput, failed: list[RequestOutput],
+                 hidden=None) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, Request] = {}
         starts = [w.seq.num_computed_tokens for w in work]
@@ -471,7 +488,8 @@ class LLMEngine:
         if self.spec is not None:
             # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
             # (failed requests' sequences hold no pages any more: the head skips them)
-            self.spec.after_step(work, starts, self.scheduler.running, self.runner.last_hidden)
+            ends = [w.seq.num_computed_tokens for w in work]
+            self.spec.after_step(work, starts, ends, self.scheduler.running, hidden)
         return self._emit(finished, touched)
 
     def _fail(self, req: Request, reason: str) -> RequestOutput:

@@ -73,12 +73,9 @@ def resolve_num_pages(
 
 
 def resolve_async_scheduling(cfg: EngineConfig) -> bool:
-    """Async scheduling where the engine supports it: not with an EAGLE-3 head (it drafts from each step's
-    features when the step lands) nor pipeline stages (micro-batches). With n-gram or draft-model speculation it
-    overlaps the steps that do not speculate (`engine.py`). Asked for explicitly where unsupported: refused."""
-    spec = cfg.speculative_config
-    unsupported = ("EAGLE-3 speculative decoding" if spec is not None and spec.method == "eagle3"
-                   else "pipeline parallelism" if cfg.mesh is not None and cfg.mesh.pp > 1 else None)
+    """Async scheduling where the engine supports it: not with pipeline stages (micro-batches). With speculation
+    it overlaps the steps that do not speculate (`engine.py`). Asked for explicitly where unsupported: refused."""
+    unsupported = "pipeline parallelism" if cfg.mesh is not None and cfg.mesh.pp > 1 else None
     if cfg.async_scheduling and unsupported:
         raise ValueError(f"async_scheduling does not support {unsupported} yet; leave it unset or False")
     return unsupported is None if cfg.async_scheduling is None else cfg.async_scheduling

@@ -183,9 +183,7 @@ def test_async_scheduling_is_refused_where_unsupported():
     ngram = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert resolve_async_scheduling(ngram) is True  # overlaps the steps that do not speculate
     eagle = EngineConfig(speculative_config={"method": "eagle3", "model": "/head", "num_speculative_tokens": 2})
-    assert resolve_async_scheduling(eagle) is False
-    with pytest.raises(ValueError, match="does not support EAGLE-3"):
-        resolve_async_scheduling(eagle.replace(async_scheduling=True))
+    assert resolve_async_scheduling(eagle) is True  # the same (tests/test_eagle3.py)
     with pytest.raises(ValueError, match="does not support pipeline parallelism"):
         resolve_async_scheduling(EngineConfig(mesh="pp2", async_scheduling=True))
     assert resolve_async_scheduling(EngineConfig()) is True

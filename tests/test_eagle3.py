@@ -341,15 +341,24 @@ def test_greedy_with_eagle3_equals_plain_mixed_k(target, prompts_and_plain, tmp_
 
 
 def test_accepted_drafts_and_preemption(target, prompts_and_plain, rigged_head):
+    """Greedy output equals the plain engine's through accepted drafts and preemptions, with async scheduling off
+    and on; with K fixed, both verify and accept the same drafts (async scheduling overlaps only the steps without
+    drafts, and the head follows those steps too)."""
     prompts, params, ref = prompts_and_plain
-    llm = LLM(target[0], **_engine_args(num_pages=20, speculative_config=_eagle(rigged_head[0])))
-    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
-    eng = llm.llm_engine
-    m = eng.spec.metrics
-    assert eng.scheduler.num_preemptions > 0
-    assert sum(m.num_accepted) > 5 and m.num_accepted[1] > 0, m.as_dict()  # multi-token accepts happened
-    eng.block_manager.check()
-    assert eng.block_manager.num_used_pages == 0
+    metrics = []
+    for mode in (False, True):
+        llm = LLM(target[0], **_engine_args(num_pages=20, speculative_config=_eagle(rigged_head[0]),
+                                            async_scheduling=mode))
+        assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+        eng = llm.llm_engine
+        m = eng.spec.metrics
+        assert eng.scheduler.num_preemptions > 0
+        assert sum(m.num_accepted) > 5 and m.num_accepted[1] > 0, m.as_dict()  # multi-token accepts happened
+        assert (eng.num_overlapped_steps > 0) is mode
+        metrics.append(m.as_dict())
+        eng.block_manager.check()
+        assert eng.block_manager.num_used_pages == 0
+    assert metrics[0] == metrics[1]
 
 
 def test_prefix_cache_hits_and_aborts_during_verification(target, rigged_head, prompts_and_plain, plain):
@@ -402,9 +411,19 @@ def _reference_drafts(model, w, toks, num, flags):
     return drafts
 
 
-def _check_drafts(eng, model, w, flags, steps, drafts=True):
+def _landed(eng, seq) -> int:
+    """`seq`'s computed tokens as of the steps that landed: async scheduling moves a step's sequences on when it is
+    dispatched (the head catches up when it lands)."""
+    launched = None if eng._in_flight is None else eng._in_flight.launched
+    if launched is None or not launched.advanced:
+        return seq.num_computed_tokens
+    return next((s for w, s in zip(launched.work, launched.starts) if w.seq is seq), seq.num_computed_tokens)
+
+
+def _check_drafts(eng, model, w, flags, steps, drafts=True, head_off=False):
     """Step the engine; after each step every running sequence's drafts, and the head's cached keys at all its
-    computed positions, equal the reference."""
+    computed positions (of the steps that landed), equal the reference. `head_off`: the controller may have turned
+    the head off for some sequences (otherwise only requests that opted out skip it)."""
     checked, ps = 0, eng.config.page_size
     for _ in range(steps):
         eng.step()
@@ -413,9 +432,11 @@ def _check_drafts(eng, model, w, flags, steps, drafts=True):
                 assert seq.spec_token_ids == _reference_drafts(model, w, seq.token_ids, len(seq.spec_token_ids), flags)
                 checked += 1
             if seq.spec_disabled:  # opted out: the head never catches up on it (checked in the test below)
-                assert seq.params.num_speculative_tokens == 0
+                assert head_off or seq.params.num_speculative_tokens == 0
                 continue
-            n = seq.num_computed_tokens
+            n = _landed(eng, seq)
+            if n == 0:
+                continue  # its first prefill chunk is in flight
             ref_k = _reference_drafts(model, w, seq.token_ids[: n + 1], 0, flags)  # pairs at positions 0 .. n-1
             pos = np.arange(n)
             cached = np.asarray(eng.proposer.runner.state.k)[0, np.asarray(seq.page_ids)[pos // ps], pos % ps]
@@ -486,13 +507,13 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
     made, verified = [], []
     after_step, process = eng.proposer.after_step, eng._process
 
-    def spy_after_step(work, starts, aux, draft_cap, k_hint=None):
-        after_step(work, starts, aux, draft_cap, k_hint)
+    def spy_after_step(work, starts, ends, aux, draft_cap, k_hint=None):
+        after_step(work, starts, ends, aux, draft_cap, k_hint)
         made.extend((k_hint, len(w.seq.spec_token_ids)) for w in work)
 
-    def spy_process(work, out, failed):
+    def spy_process(work, *args):
         verified.extend(w.num_draft for w in work)
-        return process(work, out, failed)
+        return process(work, *args)
 
     head_runs, run = [], eng.proposer.runner.run
     monkeypatch.setattr(eng.proposer.runner, "run", lambda *a: head_runs.append(1) or run(*a))
@@ -504,7 +525,7 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
         made.clear(), verified.clear(), head_runs.clear()
         assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
         assert all(n <= h <= k_fixed for h, n in made) and (k_fixed, k_fixed) in made, (k_fixed, made)
-        assert max(verified) == k_fixed  # the drafts that were made are the ones verified
+        assert max(verified, default=0) == k_fixed  # the drafts that were made are the ones verified
         # K = 0: the head does not run at all (not even its catch-up); otherwise once per step with a kept token
         assert (len(head_runs) == 0) == (k_fixed == 0), (k_fixed, len(head_runs))
     assert eng.proposer.num_compiles <= len(eng.config.token_buckets) * len(eng.config.page_buckets)
@@ -527,3 +548,51 @@ def test_head_kv_cache_is_never_copied(target, rigged_head):
         hlo = exe.as_text()
         copies = [m for m in re.findall(r"= (f32\[[\d,]+\])\S* copy\(", hlo) if m in shapes]
         assert not copies, f"the head's KV cache is copied {len(copies)} times"
+
+
+def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(target, rigged_head, prompts_and_plain,
+                                                                     monkeypatch):
+    """Async scheduling with an EAGLE-3 head: a step that verifies drafts lands before the next is built (the head
+    drafts for it when it lands); a step without drafts is built while the one before is in flight, and when that
+    one lands the head only catches up on it (or is off for its sequences, as in the synchronous engine, when the
+    controller would not speculate). The controller alternates K = max / 0 whatever the timings, so every kind of
+    step occurs: greedy outputs equal the plain engine's, and after every step the head's KV of every sequence it
+    still drafts for equals the reference."""
+    from jaxserve.spec_decode import controller
+
+    def alternate(self, base_tokens, draft_lens, optimistic=False):
+        decision = self.num_decisions + 1  # an optimistic call predicts the next decision
+        if not optimistic:
+            self.num_decisions = decision
+        return self.k_max if decision % 2 else 0
+
+    monkeypatch.setattr(controller.SpecController, "choose_k", alternate)
+    prompts, params, ref = prompts_and_plain
+    path, w = rigged_head
+    for mode in (False, True):
+        # without prefix caching: a preempted sequence recomputes its prefix, so its head KV is rebuilt even where
+        # the head was off (a cache hit there would reuse stale head KV: worse drafts, exact output; module doc)
+        llm = LLM(target[0], **_engine_args(num_pages=20, speculative_config=_eagle(path), async_scheduling=mode,
+                                            enable_prefix_caching=False))
+        eng = llm.llm_engine
+        assert eng.async_scheduling is mode
+        if mode:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                eng.add_request(f"q{i}", p, sp)
+            in_flight, head_runs = [0], []
+            dispatch, fetch, run = eng.runner.dispatch, eng.runner.fetch, eng.proposer.runner.run
+            monkeypatch.setattr(eng.runner, "dispatch", lambda s: in_flight.append(in_flight.pop() + 1) or dispatch(s))
+            monkeypatch.setattr(eng.runner, "fetch", lambda o: in_flight.append(in_flight.pop() - 1) or fetch(o))
+            monkeypatch.setattr(eng.proposer.runner, "run",
+                                lambda lay, x, aux: head_runs.append((in_flight[0], x.num_draft.max())) or run(lay, x, aux))
+            while eng.has_unfinished_requests():
+                _check_drafts(eng, target[1], w, {}, steps=1, drafts=False, head_off=True)
+            # the head drafted only with no target step in flight; with one, it only caught up
+            assert any(d for _, d in head_runs) and any(f for f, _ in head_runs)
+            assert not any(f and d for f, d in head_runs), head_runs
+        assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+        m = eng.spec.metrics
+        assert sum(m.num_accepted) > 0, m.as_dict()  # drafts were verified and accepted
+        assert (eng.num_overlapped_steps > 0) is mode
+        eng.block_manager.check()
+        assert eng.block_manager.num_used_pages == 0

@@ -579,7 +579,7 @@ def test_a_new_proposer_plugs_in_through_the_protocol(tiny, plain):
         def verified(self, seq, num_tokens_before, num_draft, num_accepted):
             calls.append(("verified", num_draft, num_accepted))
 
-        def after_step(self, work, starts, hidden, draft_cap, k_hint):
+        def after_step(self, work, starts, ends, hidden, draft_cap, k_hint):
             calls.append("after_step")
 
     llm = LLM(tiny, **_engine_args(speculative_config={"method": "ngram", "num_speculative_tokens": 3,

@@ -24,7 +24,9 @@ SmolLM2 step on the CPU, enough to make "speculation on but idle" slower than no
 skipped have a hole in their head KV from then on, so they are marked `spec_disabled` and never draft again
 (preemption clears the mark: the recomputed prefill rebuilds the head KV); sequences that arrive later start with
 the head on. Requests that opted out (`num_speculative_tokens=0`) are never caught up. A prefix-cache hit on pages
-written while the head was off reuses stale head KV: drafts get worse there, output stays exact.
+written while the head was off reuses stale head KV: drafts get worse there, output stays exact. With async
+scheduling, a step that lands while the next is already in flight (built without drafts: the controller would not
+speculate) is the same case: the engine passes k_hint = 0.
 
 Pages. The head's cache uses the target's page ids (page p of both caches holds the same positions), so
 allocation, sharing and preemption need nothing new. Draft passes write slots n-1 .. n+K-3; instead of reserving
@@ -192,20 +194,21 @@ class Eagle3Proposer(Proposer):
 
     # `verified`: nothing to roll back, the next catch-up overwrites the slots of rejected drafts.
 
-    def after_step(self, work, starts: list[int], aux: jax.Array, draft_cap, k_hint=None) -> None:
+    def after_step(self, work, starts: list[int], ends: list[int], aux: jax.Array, draft_cap, k_hint=None) -> None:
         """Catch the head up on what the target kept this step and draft for every decoding sequence.
 
-        `work`: the step's ScheduledWork (in token order); `starts[i]`: work[i]'s num_computed_tokens before the
-        step; `aux`: the step's features f[T, 3D] on device (`ModelRunner.last_hidden`); `draft_cap(seq)`: the most
-        drafts the engine lets `seq` verify (K, the request's cap, its end); `k_hint`: draft at most this many per
-        sequence (None: no further limit)."""
+        `work`: the step's ScheduledWork (in token order); work[i] computed and kept the tokens starts[i] ..
+        ends[i] - 1 (with async scheduling the sequence may have moved on since); `aux`: the step's features
+        f[T, 3D] on device (`ModelRunner.last_hidden`); `draft_cap(seq)`: the most drafts the engine lets `seq`
+        verify (K, the request's cap, its end; 0 = catch up only); `k_hint`: draft at most this many per sequence
+        (None: no further limit; 0 = the head is off, see the module doc)."""
         ps = self.engine_cfg.page_size
         seqs, feature_rows, draft_pos, num_draft, owners = [], [], [], [], []
         t = 0
-        for w, start in zip(work, starts):
+        for w, start, end in zip(work, starts, ends):
             seq, row0 = w.seq, t
             t += w.num_tokens
-            n_valid = seq.num_computed_tokens - start
+            n_valid = end - start
             if n_valid <= 0 or not seq.page_ids or seq.spec_disabled:
                 continue
             if k_hint == 0 or seq.params.num_speculative_tokens == 0:
@@ -222,7 +225,7 @@ class Eagle3Proposer(Proposer):
             draft_pos.append(n - 1)
             num_draft.append(max(k, 0))
             owners.append(seq)
-            seq.draft_num_computed = seq.num_computed_tokens
+            seq.draft_num_computed = end
         if not seqs:
             return
         b = self._bucket(aux.shape[0], max(len(s.page_ids) for s in seqs))

@@ -31,8 +31,8 @@ class Proposer(Protocol):
     def verified(self, seq: Sequence, num_tokens_before: int, num_draft: int, num_accepted: int) -> None:
         """`seq` verified `num_draft` drafts, the first `num_accepted` kept: roll the proposer's state back."""
 
-    def after_step(self, work: list[ScheduledWork], starts: list[int], hidden, draft_cap: Callable[[Sequence], int],
-                   k_hint: int) -> None:
-        """After the target step (`starts[i]`: work[i]'s num_computed_tokens before it; `hidden`: the step's
-        target features on device, or None): draft for the next step, at most `draft_cap(seq)` per sequence and
-        `k_hint` (the K the controller expects to choose next; 0 = it will not speculate)."""
+    def after_step(self, work: list[ScheduledWork], starts: list[int], ends: list[int], hidden,
+                   draft_cap: Callable[[Sequence], int], k_hint: int) -> None:
+        """After the target step (work[i] computed and kept its tokens starts[i] .. ends[i] - 1; `hidden`: the
+        step's target features on device, or None): draft for the next step, at most `draft_cap(seq)` per sequence
+        and `k_hint` (the K the controller expects to choose next; 0 = it will not speculate)."""

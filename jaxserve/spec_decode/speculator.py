@@ -22,6 +22,10 @@ from jaxserve.spec_decode.proposer import Proposer
 from jaxserve.spec_decode.rejection import NO_DRAFT
 
 
+def _no_drafts(seq: Sequence) -> int:
+    return 0
+
+
 class Speculator:
     def __init__(self, cfg: EngineConfig, proposer: Proposer):
         self.cfg = cfg
@@ -97,10 +101,16 @@ class Speculator:
         seq.spec_num_accepted += num_accepted
         self.proposer.verified(seq, num_tokens_before, num_draft, num_accepted)
 
-    def after_step(self, work: list[ScheduledWork], starts: list[int], running: list[Sequence], hidden) -> None:
+    def after_step(self, work: list[ScheduledWork], starts: list[int], ends: list[int], running: list[Sequence],
+                   hidden, draft: bool = True) -> None:
+        """work[i] kept the tokens starts[i] .. ends[i] - 1. `draft=False`: the next step is already built without
+        drafts (async scheduling, `skip_proposal`), so a proposer that drafts ahead makes none (it still follows
+        the step, e.g. an EAGLE-3 head's catch-up, unless the controller would not speculate)."""
         if type(self.proposer).after_step is Proposer.after_step:
             return  # the no-op hook: skip the controller's next-step hint too (a pass over the running sequences)
-        self.proposer.after_step(work, starts, hidden, self.draft_cap, self._k_hint(running))
+        k_hint = self._k_hint(running)
+        self.proposer.after_step(work, starts, ends, hidden, self.draft_cap if draft or not k_hint else _no_drafts,
+                                 k_hint)
 
     def _k_hint(self, running: list[Sequence]) -> int:
         """The K the controller would choose for a next step made of the running sequences as they are now, each
