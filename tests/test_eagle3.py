@@ -583,8 +583,8 @@ def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(target, rigge
             dispatch, fetch, run = eng.runner.dispatch, eng.runner.fetch, eng.proposer.runner.run
             monkeypatch.setattr(eng.runner, "dispatch", lambda s: in_flight.append(in_flight.pop() + 1) or dispatch(s))
             monkeypatch.setattr(eng.runner, "fetch", lambda o: in_flight.append(in_flight.pop() - 1) or fetch(o))
-            monkeypatch.setattr(eng.proposer.runner, "run",
-                                lambda lay, x, aux: head_runs.append((in_flight[0], x.num_draft.max())) or run(lay, x, aux))
+            monkeypatch.setattr(eng.proposer.runner, "run", lambda lay, x, aux: head_runs.append(
+                (in_flight[0], x.num_draft.max())) or run(lay, x, aux))
             while eng.has_unfinished_requests():
                 _check_drafts(eng, target[1], w, {}, steps=1, drafts=False, head_off=True)
             # the head drafted only with no target step in flight; with one, it only caught up
