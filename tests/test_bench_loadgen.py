@@ -201,6 +201,7 @@ def test_serve_measure_interleaves_engines_and_reports(tmp_path):
     class Args:
         rates = [math.inf, 100.0]
         rounds = 2
+        reuse_prompts = False
         seed = 0
         max_concurrency = None
         slo_ttft_ms = 10_000.0
@@ -209,12 +210,18 @@ def test_serve_measure_interleaves_engines_and_reports(tmp_path):
     async def go(url):
         targets = {"jaxserve": dict(url=url, model="m", extra={}, pid=os.getpid()),  # the mock runs in here
                    "peer": dict(url=url, model="m", extra={})}
-        return await serve.measure(targets, reqs(3, out_len=3), Args)
+        requests = [r for i in range(2 + 4 * 3) for r in reqs(1, out_len=3, prompt=f"p{i}")]
+        return await serve.measure(targets, requests, Args)
 
     raw, mock = run_against_mock(go)
     assert set(raw) == {"jaxserve", "peer"} and set(raw["peer"]) == {"inf", "100.0"}
     assert all(len(rounds) == 2 for by_rate in raw.values() for rounds in by_rate.values())
-    assert len(mock.bodies) == 2 * 2 + 2 * 2 * 2 * 3  # warm-up 2 per engine, then rounds x rates x engines x 3
+    prompts = [b["prompt"] for b in mock.bodies]
+    assert len(prompts) == 2 * 2 + 2 * 2 * 2 * 3  # warm-up 2 per engine, then rounds x rates x engines x 3
+    # each run (round, rate) sends 3 prompts of its own, the same to both engines
+    runs = [prompts[4 + 6 * i : 4 + 6 * (i + 1)] for i in range(4)]
+    assert all(sorted(r[:3]) == sorted(r[3:]) for r in runs)
+    assert sorted(p for r in runs for p in r[:3]) == sorted(f"p{i}" for i in range(2, 14))
     summary = {n: {r: serve.medians(ms) for r, ms in by_rate.items()} for n, by_rate in raw.items()}
     assert summary["jaxserve"]["inf"]["failed"] == 0 and summary["jaxserve"]["inf"]["slo_attainment"] == 1.0
     cpu = [m["server_cpu_ms_per_token"] for by_rate in raw["jaxserve"].values() for m in by_rate]

@@ -59,6 +59,10 @@ class DraftModelProposer(Proposer):
         logger.info("draft model %s: %d layers, quantization=%s", spec.model, ckpt.config.num_layers,
                     ckpt.quantization)
 
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
+
     def warmup(self) -> None:
         self.runner.warmup()
 

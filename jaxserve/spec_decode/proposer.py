@@ -17,6 +17,9 @@ class Proposer(Protocol):
     # page pairs it with a token the new sequence need not share): the scheduler reuses this many pages fewer.
     prefix_holdback_pages: int = 0
 
+    # Executables the proposer has compiled (the engine does not time a step whose period saw a compile).
+    num_compiles: int = 0
+
     def warmup(self) -> None:
         """Compile what the proposer runs, before serving."""
 
