@@ -235,9 +235,10 @@ class LLMEngine:
     # next one is built at once, without drafts, when the controller would not speculate even if every sequence
     # had its full cap of drafts (`Speculator.skip_proposal`: a loaded server); otherwise the step in flight lands
     # first and the next one proposes from its tokens (an EAGLE-3 head catches up on it and drafts when it lands).
-    # An EAGLE-3 head does not run for a step landing with the next in flight: it is off for those sequences, as
-    # when the synchronous engine's controller would not speculate (`spec_decode/eagle3.py`). Outputs are those of
-    # the synchronous engine (drafts never change them: the verification is lossless).
+    # For a step landing with the next in flight, an EAGLE-3 head only catches up (no drafts: the next step is
+    # built), or, when the controller would not speculate, is off for its sequences as in the synchronous engine
+    # (`spec_decode/eagle3.py`). Outputs are those of the synchronous engine (drafts never change them: the
+    # verification is lossless).
 
     def _step_async(self) -> list[RequestOutput]:
         prev, self._in_flight = self._in_flight, None
