@@ -11,6 +11,8 @@ os.environ.setdefault(
 
 import warnings  # noqa: E402
 
+import pytest  # noqa: E402
+
 # A donated buffer XLA cannot reuse means the KV cache was silently copied: fail loudly.
 warnings.filterwarnings("error", message="Some donated buffers were not usable")
 
@@ -42,3 +44,19 @@ SLOW_FILES_FIRST = (
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files keep their own order
+
+
+@pytest.fixture
+def alternating_controller(monkeypatch):
+    """The speculation controller decides K = max and K = 0 in turn, whatever the timings and acceptance (an
+    optimistic call, a proposer's hint, predicts the next decision): steps that speculate and steps that do not
+    both occur, deterministically."""
+    from jaxserve.spec_decode import controller
+
+    def alternate(self, base_tokens, draft_lens, optimistic=False):
+        decision = self.num_decisions + 1
+        if not optimistic:
+            self.num_decisions = decision
+        return self.k_max if decision % 2 else 0
+
+    monkeypatch.setattr(controller.SpecController, "choose_k", alternate)

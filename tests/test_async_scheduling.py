@@ -203,20 +203,11 @@ def _repetitive_workload(n=8):
     return prompts, params
 
 
-def test_ngram_speculation_overlaps_the_steps_that_do_not_speculate(path, monkeypatch):
+def test_ngram_speculation_overlaps_the_steps_that_do_not_speculate(path, alternating_controller):
     """With n-gram speculation, a step that verifies drafts is built from landed tokens and lands before the next
     one; a step the controller would not speculate in overlaps. The controller is made to alternate (K = 0 on every
     other decision, whatever the timings), so both kinds of steps occur; greedy outputs equal the synchronous
     engine's and the non-speculative engine's."""
-    from jaxserve.spec_decode import controller
-
-    def alternate(self, base_tokens, draft_lens, optimistic=False):
-        decision = self.num_decisions + 1  # an optimistic call predicts the next decision
-        if not optimistic:
-            self.num_decisions = decision
-        return self.k_max if decision % 2 else 0
-
-    monkeypatch.setattr(controller.SpecController, "choose_k", alternate)
     prompts, params = _repetitive_workload()
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     want = [o.outputs[0].token_ids for o in LLM(path, async_scheduling=False, **CFG).generate(

@@ -551,22 +551,13 @@ def test_head_kv_cache_is_never_copied(target, rigged_head):
 
 
 def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(target, rigged_head, prompts_and_plain,
-                                                                     monkeypatch):
+                                                                     monkeypatch, alternating_controller):
     """Async scheduling with an EAGLE-3 head: a step that verifies drafts lands before the next is built (the head
     drafts for it when it lands); a step without drafts is built while the one before is in flight, and when that
     one lands the head only catches up on it (or is off for its sequences, as in the synchronous engine, when the
     controller would not speculate). The controller alternates K = max / 0 whatever the timings, so every kind of
     step occurs: greedy outputs equal the plain engine's, and after every step the head's KV of every sequence it
     still drafts for equals the reference."""
-    from jaxserve.spec_decode import controller
-
-    def alternate(self, base_tokens, draft_lens, optimistic=False):
-        decision = self.num_decisions + 1  # an optimistic call predicts the next decision
-        if not optimistic:
-            self.num_decisions = decision
-        return self.k_max if decision % 2 else 0
-
-    monkeypatch.setattr(controller.SpecController, "choose_k", alternate)
     prompts, params, ref = prompts_and_plain
     path, w = rigged_head
     for mode in (False, True):
