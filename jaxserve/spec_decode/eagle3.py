@@ -25,8 +25,8 @@ skipped have a hole in their head KV from then on, so they are marked `spec_disa
 (preemption clears the mark: the recomputed prefill rebuilds the head KV); sequences that arrive later start with
 the head on. Requests that opted out (`num_speculative_tokens=0`) are never caught up. A prefix-cache hit on pages
 written while the head was off reuses stale head KV: drafts get worse there, output stays exact. With async
-scheduling, a step that lands while the next is already in flight (built without drafts: the controller would not
-speculate) is the same case: the engine passes k_hint = 0.
+scheduling, a step that lands while the next one is already in flight (built without drafts) gets a catch-up only
+(`draft_cap` 0), or the head is off as above when the controller would not speculate (k_hint = 0).
 
 Pages. The head's cache uses the target's page ids (page p of both caches holds the same positions), so
 allocation, sharing and preemption need nothing new. Draft passes write slots n-1 .. n+K-3; instead of reserving

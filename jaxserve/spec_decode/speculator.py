@@ -5,11 +5,12 @@ The engine calls the same four hooks whatever the method, so it has no per-metho
      (K chosen by the controller for the step as a whole; the scheduler then fits as many as its budget allows);
   2. `after_schedule(work)`: a proposer that needs the step's pages fills its drafts now (the draft model);
   3. `verified(seq, ...)` per sequence once the target has verified its drafts;
-  4. `after_step(work, starts, hidden)` before finished sequences free their pages: a proposer that drafts from the
-     target's features makes the next step's drafts now (EAGLE-3).
+  4. `after_step(work, starts, ends, hidden)` before finished sequences free their pages: a proposer that drafts
+     from the target's features makes the next step's drafts now (EAGLE-3).
 The engine times each step's whole period (proposing, scheduling, building, the device step, processing its
 outputs, an EAGLE-3 head's drafting; or, for a step that overlapped the one before, the time between their
-landings) and hands it to `record_step`, so the controller weighs a step size by what it really costs.
+landings) and hands it to `record_step`, so the controller weighs a step size by what it really costs; a period
+that saw a compile is not handed over.
 """
 
 from __future__ import annotations
