@@ -422,8 +422,7 @@ class LLMEngine:
         run_seconds = now - (max(launched.t0, self._last_landed) if launched.advanced else launched.t_begin)
         self._last_landed = now
         self.num_steps += 1
-        if self.step_trace is not None:
-            self._trace_step(launched, run_seconds)
+        accepted = 0 if self.spec is None else sum(self.spec.metrics.num_accepted)
         for g, (_, prompt_lp) in zip(groups, results):
             if prompt_lp is not None:
                 self.output.record_prompt_logprobs(g, prompt_lp)
@@ -438,24 +437,29 @@ class LLMEngine:
         # A period that included compiling (this step's executables, the proposer's, or those of the next step,
         # built while this one ran) says nothing about what the step costs.
         compiles = launched.compiles_at_t0 if launched.advanced else launched.compiles_at_begin
-        if self.spec is not None and timed and self._num_compiles() == compiles:
+        timed = timed and self._num_compiles() == compiles
+        if self.spec is not None and timed:
             self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)
+        if self.step_trace is not None:
+            accepted = 0 if self.spec is None else sum(self.spec.metrics.num_accepted) - accepted
+            self._trace_step(launched, run_seconds, accepted, timed)
         return outputs
 
     def _num_compiles(self) -> int:
         """Executables compiled so far, the target's and the proposer's."""
         return self.runner.num_compiles + (0 if self.spec is None else self.spec.proposer.num_compiles)
 
-    def _trace_step(self, launched: _Launched, run_seconds: float) -> None:
-        """One landed step's record: when it was dispatched, its period (`run_seconds`, as `_land` times it), its
-        padded size, and its mix of decodes (drafts verified) and prompt tokens."""
+    def _trace_step(self, launched: _Launched, run_seconds: float, accepted: int, timed: bool) -> None:
+        """One landed step's record: when it was dispatched, its period (`run_seconds`, as `_land` times it for the
+        controller; `timed`: the controller got it), its padded size, its mix of decodes and prompt tokens, and the
+        drafts it verified and accepted."""
         work = launched.work
         decodes = [w for w in work if w.completes_sequence and w.num_tokens - w.num_draft == 1]
         self.step_trace.append(dict(
             t=launched.t0, run_ms=1e3 * run_seconds, bucket=launched.steps[0][0].num_tokens, seqs=len(work),
             tokens=sum(w.num_tokens for w in work), decodes=len(decodes), drafts=sum(w.num_draft for w in work),
-            prefill=sum(w.num_tokens for w in work) - sum(1 + w.num_draft for w in decodes),
-            waiting=len(self.scheduler.waiting), overlapped=launched.advanced))
+            prefill=sum(w.num_tokens for w in work) - sum(1 + w.num_draft for w in decodes), accepted=accepted,
+            waiting=len(self.scheduler.waiting), overlapped=launched.advanced, timed=timed))
 
     def _microbatches(self, work: list[ScheduledWork]) -> list[list[ScheduledWork]]:
         """The step's work as the runner's micro-batches: one group, or under pipeline parallelism up to one per

@@ -216,9 +216,14 @@ def test_ngram_speculation_overlaps_the_steps_that_do_not_speculate(path, altern
         llm = LLM(path, async_scheduling=mode, speculative_config=spec, **CFG)
         eng = llm.llm_engine
         assert eng.async_scheduling is mode
+        eng.step_trace = []  # JAXSERVE_STEP_TRACE's records: each step's drafts and accepted drafts add up
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == want, mode
-        assert eng.spec.metrics.num_steps > 0  # drafts were verified
+        m = eng.spec.metrics
+        assert m.num_steps > 0 and sum(m.num_accepted) > 0  # drafts were verified, some accepted
+        assert sum(r["drafts"] for r in eng.step_trace) == sum(m.num_drafts)
+        assert sum(r["accepted"] for r in eng.step_trace) == sum(m.num_accepted)
+        assert any(r["overlapped"] for r in eng.step_trace) is mode
         assert (eng.num_overlapped_steps > 0) is mode
         _idle(llm)
 
