@@ -330,8 +330,8 @@ class LLMEngine:
             touched[req.request_id] = req
         if self.spec is not None:  # before finished sequences free their pages (see `_process`)
             # every token of the step was kept (it verified no drafts), unless its sequence was preempted since
-            ends = [start + w.num_tokens if w.seq.num_computed_tokens >= start + w.num_tokens
-                    else w.seq.num_computed_tokens for w, start in zip(launched.work, launched.starts)]
+            ends = [min(start + w.num_tokens, w.seq.num_computed_tokens)
+                    for w, start in zip(launched.work, launched.starts)]
             self.spec.after_step(launched.work, launched.starts, ends, self.scheduler.running, launched.hidden,
                                  draft=not behind)
         return self._emit(finished, touched)
@@ -422,7 +422,8 @@ class LLMEngine:
         run_seconds = now - (max(launched.t0, self._last_landed) if launched.advanced else launched.t_begin)
         self._last_landed = now
         self.num_steps += 1
-        accepted = 0 if self.spec is None else sum(self.spec.metrics.num_accepted)
+        trace_accepted = self.step_trace is not None and self.spec is not None
+        accepted = sum(self.spec.metrics.num_accepted) if trace_accepted else 0
         for g, (_, prompt_lp) in zip(groups, results):
             if prompt_lp is not None:
                 self.output.record_prompt_logprobs(g, prompt_lp)
@@ -441,7 +442,7 @@ class LLMEngine:
         if self.spec is not None and timed:
             self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)
         if self.step_trace is not None:
-            accepted = 0 if self.spec is None else sum(self.spec.metrics.num_accepted) - accepted
+            accepted = sum(self.spec.metrics.num_accepted) - accepted if trace_accepted else 0
             self._trace_step(launched, run_seconds, accepted, timed)
         return outputs
 
