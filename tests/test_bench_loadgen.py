@@ -324,3 +324,18 @@ def test_settle_waits_for_other_servers_to_go_idle():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_split_requests_gives_each_run_its_own_prompts_unless_reused():
+    class Args:
+        rates = [1.0, math.inf]
+        rounds = 2
+        reuse_prompts = False
+
+    requests = list(range(2 + 4 * 3))
+    warmup, runs = serve.split_requests(requests, Args)
+    assert warmup == [0, 1] and runs == [[2, 3, 4], [5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    Args.reuse_prompts = True
+    assert serve.num_runs(Args) == 1
+    warmup, runs = serve.split_requests(list(range(2 + 3)), Args)
+    assert warmup == [0, 1] and runs == [[2, 3, 4]] * 4
