@@ -196,7 +196,7 @@ class LLMEngine:
         and every sequence allows it: `_can_advance`). `propose=False`: the step has no drafts."""
         t_begin, compiles = time.perf_counter(), self._num_compiles()
         if self.spec is not None and propose:
-            self.spec.propose(self.scheduler.running)
+            self.spec.propose(self.scheduler.running, self.scheduler.waiting)
         work = self.scheduler.schedule()
         if not work:
             return None
@@ -244,7 +244,7 @@ class LLMEngine:
         prev, self._in_flight = self._in_flight, None
         overlap = prev is None or (prev.launched is not None and prev.launched.advanced)
         if overlap and prev is not None and self.spec is not None:
-            overlap = self.spec.skip_proposal(self.scheduler.running)
+            overlap = self.spec.skip_proposal(self.scheduler.running, self.scheduler.waiting)
         nxt = self.begin_step(overlap=True, propose=prev is None) if overlap else None
         outputs: list[RequestOutput] = []
         if prev is not None:
@@ -333,7 +333,7 @@ class LLMEngine:
             ends = [min(start + w.num_tokens, w.seq.num_computed_tokens)
                     for w, start in zip(launched.work, launched.starts)]
             self.spec.after_step(launched.work, launched.starts, ends, self.scheduler.running, launched.hidden,
-                                 draft=not behind)
+                                 draft=not behind, waiting=self.scheduler.waiting)
         return self._emit(finished, touched)
 
     def _emit(self, finished: list[Sequence], touched: dict[str, Request]) -> list[RequestOutput]:
@@ -508,7 +508,7 @@ class LLMEngine:
             # before finished sequences free their pages: the head's KV in them may be reused via the prefix cache
             # (failed requests' sequences hold no pages any more: the head skips them)
             ends = [w.seq.num_computed_tokens for w in work]
-            self.spec.after_step(work, starts, ends, self.scheduler.running, hidden)
+            self.spec.after_step(work, starts, ends, self.scheduler.running, hidden, waiting=self.scheduler.waiting)
         return self._emit(finished, touched)
 
     def _fail(self, req: Request, reason: str) -> RequestOutput:

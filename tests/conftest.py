@@ -53,7 +53,7 @@ def alternating_controller(monkeypatch):
     both occur, deterministically."""
     from jaxserve.spec_decode import controller
 
-    def alternate(self, base_tokens, draft_lens, optimistic=False):
+    def alternate(self, base_tokens, draft_lens, optimistic=False, room=None):  # the budget's room is ignored
         decision = self.num_decisions + 1
         if not optimistic:
             self.num_decisions = decision

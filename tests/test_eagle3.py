@@ -521,7 +521,7 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
     monkeypatch.setattr(eng, "_process", spy_process)
     for k_fixed in (1, 0, 2):  # K = 2 after K = 0: requests that arrive after the head was off speculate again
         monkeypatch.setattr(eng.spec.controller, "choose_k",
-                            lambda base, lens, optimistic=False, k=k_fixed: min(k, max(lens, default=k)))
+                            lambda base, lens, optimistic=False, room=None, k=k_fixed: min(k, max(lens, default=k)))
         made.clear(), verified.clear(), head_runs.clear()
         assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
         assert all(n <= h <= k_fixed for h, n in made) and (k_fixed, k_fixed) in made, (k_fixed, made)

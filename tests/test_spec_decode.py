@@ -269,6 +269,68 @@ def test_controller_counts_only_the_drafts_that_exist():
     assert c2.choose_k(16, [1] * 16) == 1
 
 
+def test_controller_keeps_drafts_within_the_room_left():
+    """`room`: the most drafts the step can take in all. A K whose drafts do not fit is not a candidate, for the
+    decision and for the optimistic hint alike; a fixed K is the user's and ignores it."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    c = SpecController(cfg, token_buckets=(4, 8, 16, 32))
+    for b in (4, 8, 16, 32):
+        c.record_step(b, 0.01)  # verifying is free ...
+    for _ in range(40):
+        c.record(3, 3)  # ... and every draft is accepted: the most drafts that fit win
+    assert c.choose_k(4, [3] * 4) == 3
+    assert c.choose_k(4, [3] * 4, room=12) == 3
+    assert c.choose_k(4, [3] * 4, room=11) == 2  # 4 x 3 drafts do not fit, 4 x 2 do
+    assert c.choose_k(4, [3, 1, 1, 1], room=5) == 2  # min(2, 3) + 3 x 1 = 5
+    assert c.choose_k(4, [3] * 4, room=3) == 0  # not even one draft each
+    assert c.choose_k(4, [3] * 4, room=0) == 0
+    assert c.choose_k(4, [3] * 4, room=0, optimistic=True) == 0
+    fresh = SpecController(cfg, token_buckets=(4, 8, 16, 32))  # unmeasured: the hint names the largest that fits
+    assert fresh.choose_k(4, [3] * 4, room=8, optimistic=True) == 2
+    fixed = SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False), (4, 8))
+    assert fixed.choose_k(4, [3] * 4, room=0) == 3
+
+
+def test_drafts_do_not_take_the_budget_of_prompts_that_can_be_scheduled():
+    """Drafts are scheduled before waiting prompts, so drafts past the budget's free room would delay the prompts'
+    first tokens, and a verify step does not overlap with the next one: the speculator leaves prompt tokens their
+    budget. A waiting prompt counts only if a seat is free for it."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.sequence import Sequence
+    from jaxserve.spec_decode.speculator import Speculator
+
+    def seq(i, prompt, computed):
+        s = Sequence(i, str(i), 0, list(prompt), SamplingParams(max_tokens=100), 100, 0.0)
+        s.num_computed_tokens = computed
+        return s
+
+    def engine_cfg(max_num_seqs):
+        return EngineConfig.from_dict(dict(max_num_batched_tokens=32, max_num_seqs=max_num_seqs, max_model_len=256,
+                                           speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                               "prompt_lookup_min": 1, "prompt_lookup_max": 3}), "test")
+
+    def drafts(cfg, waiting):
+        spec = Speculator(cfg, NgramProposer(1, 3))
+        c = spec.controller
+        for b in cfg.token_buckets:
+            c.record_step(b, 0.01)  # verifying is free and everything is accepted: speculate whenever drafts fit
+        for _ in range(40):
+            c.record(3, 3)
+        running = [seq(i, [7, 8, 9] * 5, 14) for i in range(2)]  # decoding, with n-gram drafts to propose
+        spec.propose(running, waiting)
+        return [len(s.spec_token_ids) for s in running], spec.skip_proposal(running, waiting)
+
+    cfg = engine_cfg(max_num_seqs=4)
+    assert drafts(cfg, []) == ([3, 3], False)
+    assert drafts(cfg, [seq(9, range(3, 27), 0)]) == ([3, 3], False)  # 2 + 24 tokens leave room for 6 drafts
+    assert drafts(cfg, [seq(9, range(3, 29), 0)]) == ([2, 2], False)  # 2 + 26: room for 4
+    assert drafts(cfg, [seq(9, range(3, 43), 0)]) == ([0, 0], True)  # the prompt fills the budget: none
+    # 2 seats free: 2 of 3 waiting 14-token prompts fit, 2 + 2 x 14 tokens leave room for 2 drafts (not 3 x 14)
+    assert drafts(cfg, [seq(9 + i, range(3, 17), 0) for i in range(3)]) == ([1, 1], False)
+    # ... no seat free: the waiting prompt cannot be scheduled, so it takes nothing from the drafts
+    assert drafts(engine_cfg(max_num_seqs=2), [seq(9, range(3, 43), 0)]) == ([3, 3], False)
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------------
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -498,8 +560,8 @@ def test_controller_counts_the_draft_models_time(tiny, monkeypatch):
     choices = []
     choose = eng.spec.controller.choose_k
 
-    def recorded(base, lens, optimistic=False):
-        k = choose(base, lens, optimistic)
+    def recorded(base, lens, optimistic=False, room=None):
+        k = choose(base, lens, optimistic, room)
         # an optimistic call is async scheduling asking whether the next step may skip proposing: K = 0 is then
         # that step's decision (`Speculator.skip_proposal`); K > 0 hands the decision to `propose`
         if not optimistic or k == 0:

@@ -6,7 +6,9 @@ decoding sequence can have this step (what a host proposer such as n-gram actual
 the request's cap for a model proposer), it picks the K that maximises expected tokens per second,
 `sum_s (1 + sum_{i <= min(K, L_s)} prod_{j<=i} a_j) / cost(tokens + sum_s min(K, L_s))`, and speculates only if
 that beats K = 0 by `MIN_GAIN` (measurements are noisy; a marginal gain is not worth the risk of a loss), so with
-honest measurements speculation does not make a loaded server slower than no speculation.
+honest measurements speculation does not make a loaded server slower than no speculation. Drafts only fill the
+budget that the step's prompt tokens leave (`room`, `Speculator._step_tokens`): a draft that displaced a prompt token
+would cost that prompt's first token, which no step time shows.
 
 The controller's acceptance estimate forgets (each draft verified at a position decays the older ones there by
 `ACCEPT_DECAY`: a window of ~100 drafts), so it follows the workload, and every `EXPLORE_EVERY`-th decision it
@@ -111,17 +113,24 @@ class SpecController:
         (b0, c0), (b1, c1) = sorted(sorted(self.cost.items(), key=lambda kv: abs(kv[0] - b))[:2])
         return max(c0 + (c1 - c0) * (b - b0) / (b1 - b0), min(c0, c1))
 
-    def choose_k(self, base_tokens: int, draft_lens: list[int], optimistic: bool = False) -> int:
+    def choose_k(self, base_tokens: int, draft_lens: list[int], optimistic: bool = False,
+                 room: int | None = None) -> int:
         """K for this step, given `base_tokens` scheduled without drafts and, per decoding sequence that may
-        speculate, the most drafts it can have (`draft_lens`). While a candidate step size is unmeasured the
-        smallest such K is tried (to measure it); `optimistic`: the largest candidate instead -- for a proposer
-        that drafts ahead and turns itself off at 0, so that exploring K = 0 does not switch it off; an optimistic
-        call is a hint for the *next* decision (it does not count as one, and predicts that decision's exploring)."""
+        speculate, the most drafts it can have (`draft_lens`). `room`: the most drafts the step can take in all
+        (None: no limit); a K whose drafts do not fit is not a candidate (adaptive K only: a fixed K is the user's).
+        While a candidate step size is unmeasured the smallest such K is tried (to measure it); `optimistic`: the
+        largest candidate instead -- for a proposer that drafts ahead and turns itself off at 0, so that exploring
+        K = 0 does not switch it off; an optimistic call is a hint for the *next* decision (it does not count as
+        one, and predicts that decision's exploring)."""
         decision = self.num_decisions + 1
         if not optimistic:
             self.num_decisions = decision
         if not self.adaptive or not draft_lens:
             return self.k_max
+        k_top = min(self.k_max, max(draft_lens))
+        if room is not None:
+            while k_top > 0 and sum(min(k_top, L) for L in draft_lens) > room:
+                k_top -= 1
         # gain[m] = expected accepted drafts of a sequence with m drafts: sum_{i<=m} prod_{j<=i} a_j
         gain, survive = [0.0], 1.0
         for d, a in zip(self.recent_drafts, self.recent_accepted):
@@ -129,10 +138,10 @@ class SpecController:
             survive *= a / d if d >= MIN_MEASURED else 1.0
             gain.append(gain[-1] + survive)
         values = []  # expected tokens per second of each K
-        for k in range(min(self.k_max, max(draft_lens)) + 1):
+        for k in range(k_top + 1):
             cost = self._cost(base_tokens + sum(min(k, L) for L in draft_lens))
             if cost is None:  # nothing to estimate from yet: try it
-                return min(self.k_max, max(draft_lens)) if optimistic else k
+                return k_top if optimistic else k
             values.append((len(draft_lens) + sum(gain[min(k, L)] for L in draft_lens)) / cost)
         best_k = max(range(len(values)), key=lambda k: values[k] / (MIN_GAIN if k else 1.0))  # K > 0 must clear the bar
         if decision % EXPLORE_EVERY == 0 and len(values) > 1:

@@ -1,7 +1,7 @@
 """The engine's one handle on speculation: a `Proposer` (any method) plus the `SpecController` that picks K.
 
 The engine calls the same four hooks whatever the method, so it has no per-method branches:
-  1. `propose(running)` before scheduling: each decoding sequence gets up to K drafts in `seq.spec_token_ids`
+  1. `propose(running, waiting)` before scheduling: each decoding sequence gets up to K drafts in `seq.spec_token_ids`
      (K chosen by the controller for the step as a whole; the scheduler then fits as many as its budget allows);
   2. `after_schedule(work)`: a proposer that needs the step's pages fills its drafts now (the draft model);
   3. `verified(seq, ...)` per sequence once the target has verified its drafts;
@@ -14,6 +14,8 @@ that saw a compile is not handed over.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from jaxserve.config import EngineConfig
 from jaxserve.scheduler import ScheduledWork
@@ -61,17 +63,17 @@ class Speculator:
         return max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1,
                           self.cfg.max_model_len - seq.num_tokens - 1))
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Drafts for every decoding sequence (the scheduler decides how many of them it can verify)."""
-        budget = self.cfg.max_num_batched_tokens
+    def propose(self, running: list[Sequence], waiting: list[Sequence] = ()) -> None:
+        """Drafts for every decoding sequence (the scheduler decides how many of them it can verify). `waiting`:
+        the scheduler's waiting queue, whose prompts the step may admit (drafts must not take their budget)."""
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
-        base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
+        base, room = self._step_tokens(running, waiting)
         caps = [self.draft_cap(seq) for seq in decoding]
         drafts = [self.proposer.draft(seq, k) if k else [] for seq, k in zip(decoding, caps)]
         caps = [k if d is None else len(d) for k, d in zip(caps, drafts)]
         for seq in running:
             seq.spec_token_ids = []
-        k_step = self.controller.choose_k(min(base, budget), caps)
+        k_step = self.controller.choose_k(base, caps, room=room)
         for seq, d, cap in zip(decoding, drafts, caps):
             k = min(k_step, cap)
             if d is not None:
@@ -79,14 +81,31 @@ class Speculator:
             elif k > 0:
                 seq.spec_token_ids = [NO_DRAFT] * k  # placeholders: the scheduler only counts them
 
-    def skip_proposal(self, running: list[Sequence]) -> bool:
+    def _step_tokens(self, running: list[Sequence], waiting: list[Sequence]) -> tuple[int, int]:
+        """The next step's tokens without drafts and the budget left for drafts after them.
+
+        Drafts are scheduled with their sequence's decode, before prompt chunks further down the running list and
+        before waiting prompts, so drafts past the budget's free room would displace prompt tokens: a verify step
+        that is also slower for not overlapping with the next (async scheduling), and later first tokens for the
+        displaced prompts, a cost the controller's per-step timing does not see. So drafts only fill the room the
+        step's prompt tokens leave: the running sequences' chunks and the waiting prompts that have a free seat
+        (their whole prompts, as if nothing were cached: a cache hit only frees more room next step)."""
+        budget = self.cfg.max_num_batched_tokens
+        running = [s for s in running if not s.is_finished]
+        tokens = sum(min(s.num_uncomputed_tokens, budget) for s in running)
+        seats = max(0, self.cfg.max_num_seqs - len(running))
+        tokens += sum(s.num_uncomputed_tokens for s in itertools.islice(waiting, seats))
+        base = min(tokens, budget)
+        return base, budget - base
+
+    def skip_proposal(self, running: list[Sequence], waiting: list[Sequence] = ()) -> bool:
         """Async scheduling, with a step in flight: True if the next step will not speculate, so it can be built
         now, without drafts (`running` holds tokens still being sampled, which a proposer cannot see). The
         controller decides as if every decoding sequence had its full cap of drafts, the most speculation could
         gain: if even that loses to no speculation (a loaded server), real drafts would too. A skipped step counts
         as the controller's decision (its exploring goes on while steps overlap); otherwise `propose` decides."""
-        base, caps = self._next_step(running)
-        if caps and self.controller.choose_k(base, caps, optimistic=True) > 0:
+        base, room, caps = self._next_step(running, waiting)
+        if caps and self.controller.choose_k(base, caps, optimistic=True, room=room) > 0:
             return False
         self.controller.num_decisions += 1
         for seq in running:
@@ -103,30 +122,29 @@ class Speculator:
         self.proposer.verified(seq, num_tokens_before, num_draft, num_accepted)
 
     def after_step(self, work: list[ScheduledWork], starts: list[int], ends: list[int], running: list[Sequence],
-                   hidden, draft: bool = True) -> None:
+                   hidden, draft: bool = True, waiting: list[Sequence] = ()) -> None:
         """work[i] kept the tokens starts[i] .. ends[i] - 1. `draft=False`: the next step is already built without
         drafts (async scheduling, `skip_proposal`), so a proposer that drafts ahead makes none (it still follows
         the step, e.g. an EAGLE-3 head's catch-up, unless the controller would not speculate)."""
         if type(self.proposer).after_step is Proposer.after_step:
             return  # the no-op hook: skip the controller's next-step hint too (a pass over the running sequences)
-        k_hint = self._k_hint(running)
+        k_hint = self._k_hint(running, waiting)
         self.proposer.after_step(work, starts, ends, hidden, self.draft_cap if draft or not k_hint else _no_drafts,
                                  k_hint)
 
-    def _k_hint(self, running: list[Sequence]) -> int:
+    def _k_hint(self, running: list[Sequence], waiting: list[Sequence]) -> int:
         """The K the controller would choose for a next step made of the running sequences as they are now, each
         decoding one that may speculate with its full cap of drafts: how many drafts a proposer that drafts ahead
         (EAGLE-3) should make; 0 = the next step would not speculate."""
-        return self.controller.choose_k(*self._next_step(running), optimistic=True)
+        base, room, caps = self._next_step(running, waiting)
+        return self.controller.choose_k(base, caps, optimistic=True, room=room)
 
-    def _next_step(self, running: list[Sequence]) -> tuple[int, list[int]]:
-        """A next step made of the running sequences as they are now: its tokens without drafts (within the
-        budget), and the draft cap of each decoding sequence that may speculate."""
-        budget = self.cfg.max_num_batched_tokens
+    def _next_step(self, running: list[Sequence], waiting: list[Sequence]) -> tuple[int, int, list[int]]:
+        """A next step made of the running sequences as they are now: its tokens without drafts and the room left
+        for drafts (`_step_tokens`), and the draft cap of each decoding sequence that may speculate."""
         running = [s for s in running if not s.is_finished]
-        base = sum(min(s.num_uncomputed_tokens, budget) for s in running)
         caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
-        return min(base, budget), caps
+        return (*self._step_tokens(running, waiting), caps)
 
     def record_step(self, bucket, num_tokens: int, seconds: float) -> None:
         """A step's period (the engine's timing: see the module docstring), for the controller's cost model."""
