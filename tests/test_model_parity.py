@@ -48,22 +48,6 @@ def test_prefill_and_decode_match_hf(variant, layers):
             assert int(out[i][-1].argmax()) == int(ref.argmax())
 
 
-@pytest.mark.parametrize("layers", ["scanned", "unrolled"])
-def test_rope_trig_is_evaluated_once_per_step(variant, layers):
-    """The compiled step evaluates RoPE's cos and sin once (`rope_tables`: one conditional, two identical branches),
-    not fused into every layer's q and k, where XLA:CPU recomputed them per element (a 512-token prefill step
-    ~1.5x slower). The tiny model has 2 layers: the fused form had >= 4 cosines (q and k of each layer)."""
-    _, path, _ = variant
-    m = PagedModel(path, layers=layers)
-    assert m.cfg.num_layers >= 2
-    seqs = [ScheduledSeq([5, 6, 7], 0, m.pages(0))]
-    host = build_step_inputs(seqs, Bucket(num_tokens=8, num_seqs=1, max_pages=m.pages_per_seq), m.page_size)
-    host.logits_indices = np.arange(8, dtype=np.int32)
-    text = m._fwd.lower(m.weights, m.kv, host).compile().as_text()
-    assert 1 <= text.count(" cosine(") <= 2, text.count(" cosine(")
-    assert 1 <= text.count(" sine(") <= 2, text.count(" sine(")
-
-
 def test_chunked_prefill_matches_one_shot(variant):
     """A prompt fed in chunks across steps, sharing each step with another sequence's decodes, gives the same logits."""
     _, path, _ = variant

@@ -32,7 +32,7 @@ from jaxserve import attention, ops
 from jaxserve.batch import StepInputs
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
-from jaxserve.model.layers import apply_rope, argmax, gated_mlp, rms_norm, rope_inv_freq, rope_tables
+from jaxserve.model.layers import apply_rope, argmax, gated_mlp, rms_norm, rope_inv_freq
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,9 +104,9 @@ def head_qkv(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, h: jax.Array
     h_normed = rms_norm(h, w.hidden_norm, eps)
     x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), w.embed_norm, eps), h_normed], axis=-1)  # [M, 2D]
     residual = h_normed if cfg.norm_before_residual else h
-    cos, sin = rope_tables(positions, jnp.asarray(rope_inv_freq(c)))
-    q = apply_rope((x @ w.wq).reshape(M, N, H), cos, sin)
-    k = apply_rope((x @ w.wk).reshape(M, K, H), cos, sin)
+    inv_freq = jnp.asarray(rope_inv_freq(c))
+    q = apply_rope((x @ w.wq).reshape(M, N, H), positions, inv_freq)
+    k = apply_rope((x @ w.wk).reshape(M, K, H), positions, inv_freq)
     return q, k, (x @ w.wv).reshape(M, K, H), residual
 
 

@@ -47,32 +47,14 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     raise ValueError(f"unsupported rope scaling type {sc.rope_type!r}; supported: llama3, linear")
 
 
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of each token's RoPE angles: positions i32[T], inv_freq f32[H/2] -> (cos, sin) f32[T, H/2].
-
-    Computed once per step and shared by every layer's q and k. On XLA:CPU they must also be *materialized*: fused
-    into `apply_rope`'s elementwise loops, they were evaluated once per element of q and k (per head, per layer),
-    which made a 512-token prefill step ~1.5x slower. A conditional is a fusion boundary there (XLA:CPU expands
-    `optimization_barrier` before fusion, so that does not work); both branches are the same computation, so the
-    predicate, any runtime value, does not matter. GPUs keep the fused form: the trig is cheap there, and a
-    conditional's predicate is read on the host.
-    """
-
-    def tables(positions):
-        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-        return jnp.cos(angles), jnp.sin(angles)
-
-    if jax.default_backend() != "cpu":
-        return tables(positions)
-    return jax.lax.cond(jnp.any(positions > 0), tables, tables, positions)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotate-half RoPE (HF convention: the head dim splits into two halves).
 
-    x: f[T, heads, H], cos / sin: f32[T, H/2] (`rope_tables`) -> f[T, heads, H]
+    x: f[T, heads, H], positions: i32[T], inv_freq: f32[H/2] -> f[T, heads, H]
     """
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
