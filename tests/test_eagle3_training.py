@@ -26,7 +26,7 @@ from jaxserve.model.layers import argmax
 from jaxserve.model.llama import compute_logits, forward
 from training.eagle3 import ttt
 from training.eagle3.checkpoint import StopRequests
-from training.eagle3.features import FeatureStore, TargetFeatures, extract
+from training.eagle3.features import FeatureStore, TargetFeatures, extract, pack
 from training.eagle3.regenerate import completed
 from training.eagle3.train import TrainConfig, Trainer, head_config
 from training.eagle3.ttt import TTTBatch, ttt_logits
@@ -196,6 +196,33 @@ def test_features_equal_the_serving_forward(target, dataset):
         assert store.is_output[rows].tolist() == [0] * P + [1] * (n - P)
         # greedy data: the target's argmax at p is the output token p + 1
         assert (store.target_argmax[rows][P - 1 : n - 1] == store.tokens[rows][P:]).all()
+
+
+def test_packed_steps_give_each_sample_its_own_features(target, dataset, tmp_path):
+    """Samples packed into one ragged step (the default) get the features they get alone in a step."""
+    samples, store = dataset
+    lengths = store.lengths.tolist()
+    starts = [0]
+    while starts[-1] < len(lengths):
+        starts.append(pack(lengths, starts[-1], 64, 16))
+    assert max(np.diff(starts)) > 1 and starts[-1] == len(lengths)  # the dataset's steps do pack samples
+    path = str(tmp_path / "alone")
+    extract(samples, TargetFeatures(target, aux_layer_ids=AUX, max_len=64, len_buckets=(32, 64), max_seqs=1), path,
+            log_every=0)
+    alone = FeatureStore.open(path)
+    assert alone.meta == store.meta
+    np.testing.assert_allclose(alone.aux.astype(np.float32), store.aux.astype(np.float32), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(alone.hidden.astype(np.float32), store.hidden.astype(np.float32), rtol=1e-3,
+                               atol=1e-3)
+    assert np.array_equal(alone.target_argmax, store.target_argmax)
+    assert np.array_equal(alone.tokens, store.tokens) and np.array_equal(alone.is_output, store.is_output)
+
+
+def test_pack_fills_a_step_up_to_its_token_and_sequence_limits():
+    assert pack([10, 20, 30, 5], 0, 64, 16) == 3  # 10 + 20 + 30 = 60; + 5 would be 65
+    assert pack([10, 20, 30, 5], 2, 64, 16) == 4
+    assert pack([10, 20, 30, 5], 0, 64, 2) == 2  # at most 2 sequences
+    assert pack([70, 5], 0, 64, 16) == 1  # one sample alone always makes a step
 
 
 def _trainer(store, **kw):
@@ -377,17 +404,17 @@ def test_resume_refuses_another_run(dataset, stopped_at_50, tmp_path):
 
 
 def test_features_resume_where_a_run_stopped(target, dataset, tmp_path, monkeypatch):
-    """Extraction that dies after 10 samples resumes with the 11th and ends byte-equal to one uninterrupted
+    """Extraction that dies after its first 10 or so samples resumes with the next one and ends byte-equal to one uninterrupted
     extraction; a complete directory is returned as it is; another sample set is refused, not overwritten."""
     samples, store = dataset
     tf = TargetFeatures(target, aux_layer_ids=AUX, max_len=64, len_buckets=(32, 64))
     run_target, calls = TargetFeatures.__call__, []
 
-    def dies_after_10(self, tokens):
-        if len(calls) == 10:
+    def dies_after_10(self, seqs):  # calls: one entry per sample a step computed
+        if len(calls) >= 10:
             raise RuntimeError("killed")
-        calls.append(len(tokens))
-        return run_target(self, tokens)
+        calls.extend(len(t) for t in seqs)
+        return run_target(self, seqs)
 
     path = str(tmp_path / "feats")
     monkeypatch.setattr(TargetFeatures, "__call__", dies_after_10)
@@ -397,14 +424,14 @@ def test_features_resume_where_a_run_stopped(target, dataset, tmp_path, monkeypa
     with pytest.raises(FileNotFoundError, match="run `python -m training.eagle3 features` first"):
         FeatureStore.open(path)  # a partial directory is not mistaken for features
 
-    def counts(self, tokens):
-        calls.append(len(tokens))
-        return run_target(self, tokens)
+    def counts(self, seqs):
+        calls.extend(len(t) for t in seqs)
+        return run_target(self, seqs)
 
     monkeypatch.setattr(TargetFeatures, "__call__", counts)
-    calls.clear()
+    first, calls[:] = len(calls), []
     meta = extract(samples, tf, path, log_every=0)
-    assert len(calls) == len(samples) - 10  # only the samples the first run did not finish
+    assert len(calls) == len(samples) - first  # only the samples the first run did not finish
     got = FeatureStore.open(path)
     assert meta == got.meta == store.meta and not os.path.exists(os.path.join(path, "progress.json"))
     for f in dataclasses.fields(FeatureStore):

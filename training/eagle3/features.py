@@ -1,8 +1,9 @@
 """Target features for EAGLE-3 training: run the target over prompt + output once, store what the head learns from.
 
 The target runs through the serving forward (`jaxserve.model.llama.forward` over a paged KV cache, inputs from
-`jaxserve.batch.build_step_inputs`, one sequence per call, padded to a few length buckets), so the features are the
-ones serving computes. Per token p of every sample we store:
+`jaxserve.batch.build_step_inputs`, with the kernels and weight layout a default engine uses), so the features are
+the ones serving computes. Consecutive samples are packed into one ragged step of up to `max_len` tokens, as
+serving prefills several prompts at once. Per token p of every sample we store:
 
   aux.npy            f16[N, 3D]  residual streams entering `aux_layer_ids` (input convention), concatenated
   hidden.npy         f16[N, D]   the target's final-normed hidden state (target logits = hidden @ output embedding)
@@ -34,12 +35,14 @@ import numpy as np
 
 from jaxserve import ops
 from jaxserve.batch import Bucket, ScheduledSeq, build_step_inputs, smallest_at_least
+from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.eagle3 import default_aux_layer_ids
 from jaxserve.loader.weights import to_weights
 from jaxserve.model.layers import argmax
 from jaxserve.model.llama import compute_logits, forward
+from jaxserve.runner import prepare_weights
 from training.eagle3.progress import bar, duration, say
 
 PAGE_SIZE = 16
@@ -71,39 +74,65 @@ def _target_step(cfg, aux_ids, backends, weights, kv, inputs):
 
 
 class TargetFeatures:
-    """The target model, run one sequence at a time: tokens -> (aux f32[T, 3D], hidden f32[T, D], argmax i32[T])."""
+    """The target model as a default engine runs it (the kernels `ops.resolve_backends` picks, the weights prepared
+    as the runner prepares them), over a few sequences at a time: [tokens] -> [(aux f32[T, 3D], hidden f32[T, D],
+    argmax i32[T])]. Sequences are packed into one ragged step of at most `max_len` tokens (padded to a length
+    bucket), as prompts are prefilled together in serving: no padding per sequence, and steps big enough for the
+    matmuls to run at speed."""
 
     def __init__(self, model: str | None, *, aux_layer_ids: tuple[int, ...] | None = None, max_len: int = 1280,
-                 len_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1280), dtype=jnp.float32):
+                 len_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1280), max_seqs: int = 16,
+                 dtype=jnp.float32):
         ck = load_checkpoint(model)
         self.path, self.cfg = ck.path, ck.config
         self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(ck.config.num_layers))
         if len(self.aux_layer_ids) != 3 or not all(0 <= i <= ck.config.num_layers for i in self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids must be 3 ids in [0, {ck.config.num_layers}] (got {self.aux_layer_ids})")
-        self.max_len = max_len
+        self.max_len, self.max_seqs = max_len, max_seqs
         self.len_buckets = tuple(sorted({b for b in len_buckets if b < max_len} | {max_len}))
-        self.weights = jax.device_put(to_weights(ck.config, ck.tensors, dtype, ck.path))
-        num_pages = -(-max_len // PAGE_SIZE)
+        host = to_weights(ck.config, ck.tensors, dtype, ck.path)
+        self._out_embed = np.asarray(host.embed if host.lm_head is None else host.lm_head.T, np.float32)
+        scan = jax.default_backend() != "cpu"  # as EngineConfig.scan_layers resolves
+        self.backends = ops.resolve_backends(EngineConfig(), jnp.dtype(dtype).name, scan)
+        self.weights = jax.device_put(prepare_weights(host, self.backends, scan))
+        self.seq_pages = -(-max_len // PAGE_SIZE)
+        # A step's sequences hold at most max_len tokens: their pages, each rounded up, fit this many.
+        num_pages = self.seq_pages + max_seqs
         self.pages = list(range(1, num_pages + 1))  # page 0 is the padding sink
         self.kv = init_kv_cache(ck.config, num_pages + 1, PAGE_SIZE, dtype)
-        # The attention kernel a default engine would pick, resolved once; the stacked weights run XLA dots.
-        self.backends = ops.Backends.default()
         self._step = jax.jit(_target_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
     def output_embedding(self) -> np.ndarray:
         """f32[V, D]: the target's lm_head rows (the embedding when tied)."""
-        w = self.weights
-        return np.asarray(w.embed if w.lm_head is None else w.lm_head.T, np.float32)
+        return self._out_embed
 
-    def __call__(self, tokens: list[int]):
-        T = len(tokens)
-        if not 1 <= T <= self.max_len:
-            raise ValueError(f"a sequence must have 1..{self.max_len} tokens (got {T})")
-        b = Bucket(num_tokens=smallest_at_least(self.len_buckets, T), num_seqs=1, max_pages=len(self.pages))
-        arrays = build_step_inputs([ScheduledSeq(list(tokens), 0, self.pages)], b, PAGE_SIZE)
-        inputs = jax.tree.map(jnp.asarray, arrays)
+    def __call__(self, seqs: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        lens = [len(t) for t in seqs]
+        if not 1 <= len(seqs) <= self.max_seqs or min(lens) < 1 or sum(lens) > self.max_len:
+            raise ValueError(f"a step takes 1..{self.max_seqs} non-empty sequences of at most {self.max_len} tokens "
+                             f"together (got lengths {lens})")
+        scheduled, p = [], 0
+        for t in seqs:
+            n = -(-len(t) // PAGE_SIZE)
+            scheduled.append(ScheduledSeq(list(t), 0, self.pages[p : p + n]))
+            p += n
+        b = Bucket(num_tokens=smallest_at_least(self.len_buckets, sum(lens)), num_seqs=self.max_seqs,
+                   max_pages=self.seq_pages)
+        inputs = jax.tree.map(jnp.asarray, build_step_inputs(scheduled, b, PAGE_SIZE))
         aux, h, am, self.kv = self._step(self.cfg, self.aux_layer_ids, self.backends, self.weights, self.kv, inputs)
-        return np.asarray(aux[:T]), np.asarray(h[:T]), np.asarray(am[:T])
+        aux, h, am = np.asarray(aux), np.asarray(h), np.asarray(am)
+        ends = np.cumsum(lens)
+        return [(aux[e - n : e], h[e - n : e], am[e - n : e]) for n, e in zip(lens, ends)]
+
+
+def pack(lengths: list[int], start: int, max_tokens: int, max_seqs: int) -> int:
+    """The end of the step that starts at sample `start`: the longest run of samples that together fit
+    `max_tokens` and `max_seqs` (always at least one)."""
+    end, total = start, 0
+    while end < len(lengths) and end - start < max_seqs and total + lengths[end] <= max_tokens:
+        total += lengths[end]
+        end += 1
+    return max(end, start + 1)
 
 
 def _fp16(x: np.ndarray, what: str) -> np.ndarray:
@@ -185,25 +214,28 @@ def extract(samples: list[dict], target: TargetFeatures, out_dir: str, log_every
         _write_json(progress_path, dict(fingerprint=fingerprint, done=num_done))
 
     t0, t_commit, tokens = time.perf_counter(), time.perf_counter(), 0
+    logged = done // log_every if log_every else 0
     try:
         with bar(len(seqs), desc="features", unit="sample", initial=done) as progress:
-            for s in range(done, len(seqs)):
-                ids, P = seqs[s]
-                a, h, g = target(ids)
-                sl = slice(int(offsets[s]), int(offsets[s]) + len(ids))
-                aux[sl], hid[sl] = _fp16(a, "an aux feature"), _fp16(h, "a final hidden state")
-                toks[sl], am[sl] = ids, g
-                is_out[sl] = np.arange(len(ids)) >= P
-                done, tokens = s + 1, tokens + len(ids)
-                progress.update()
+            while done < len(seqs):
+                end = pack(lengths, done, target.max_len, target.max_seqs)
+                for s, (a, h, g) in zip(range(done, end), target([ids for ids, _ in seqs[done:end]])):
+                    ids, P = seqs[s]
+                    sl = slice(int(offsets[s]), int(offsets[s]) + len(ids))
+                    aux[sl], hid[sl] = _fp16(a, "an aux feature"), _fp16(h, "a final hidden state")
+                    toks[sl], am[sl] = ids, g
+                    is_out[sl] = np.arange(len(ids)) >= P
+                    tokens += len(ids)
+                progress.update(end - done)
+                done = end
                 if time.perf_counter() - t_commit > COMMIT_SECONDS:
                     commit(done)
                     t_commit = time.perf_counter()
-                if log_every and done % log_every == 0:
-                    dt = time.perf_counter() - t0
-                    left = int(offsets[-1]) + int(lengths[-1]) - int(offsets[s]) - len(ids)
-                    say(f"[features] {done}/{len(seqs)} samples, {int(offsets[s]) + len(ids)} tokens, "
-                        f"{tokens / dt:.0f} tok/s, eta {duration(left * dt / tokens)}")
+                if log_every and done // log_every > logged:
+                    logged, dt = done // log_every, time.perf_counter() - t0
+                    written = int(offsets[done - 1]) + int(lengths[done - 1])
+                    say(f"[features] {done}/{len(seqs)} samples, {written} tokens, {tokens / dt:.0f} tok/s, "
+                        f"eta {duration((N - written) * dt / tokens)}")
     finally:  # an exception or Ctrl-C keeps what is done: the rows of samples < done are complete
         commit(done)
     np.savez(os.path.join(out_dir, "index.npz"), offsets=offsets, lengths=lengths,
