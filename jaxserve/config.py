@@ -121,7 +121,9 @@ class SpeculativeConfig:
 
     method: str  # "ngram" (prompt lookup) | "draft_model" (a small model with the target's tokenizer) | "eagle3"
     num_speculative_tokens: int  # K: the most draft tokens verified per sequence per step
-    model: str | None = None  # draft_model: the draft checkpoint (HF dir or GGUF); eagle3: the head's directory
+    # draft_model: the draft checkpoint (HF dir or GGUF); eagle3: the head's directory, None = the head jaxserve ships
+    # for the target (`spec_decode.heads`)
+    model: str | None = None
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram looked up in the sequence's own tokens
     prompt_lookup_min: int = 1  # ngram: shortest
     adaptive: bool = True  # choose K per step from measured step cost and acceptance (never slower than K = 0)
@@ -136,11 +138,8 @@ class SpeculativeConfig:
                 "speculative_config.num_speculative_tokens must be an integer in [1, 16] "
                 f"(got {self.num_speculative_tokens!r})"
             )
-        if self.method in ("draft_model", "eagle3") and not self.model:
-            raise ValueError(
-                "speculative_config.model (the draft model's or EAGLE-3 head's path) is required for method "
-                f"{self.method!r}"
-            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model (the draft model's path) is required for method 'draft_model'")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max "

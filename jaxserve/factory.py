@@ -29,6 +29,7 @@ from jaxserve.model.llama import Weights, repeat_kv_heads, stage_layer_bounds
 from jaxserve.pipeline import PipelineRunner
 from jaxserve.runner import ModelRunner, default_dtype, prepare_weights
 from jaxserve.spec_decode import Proposer, make_proposer, proposer_cache_configs, target_hidden_layer_ids
+from jaxserve.spec_decode.heads import with_shipped_head
 from jaxserve.tokenizer import Tokenizer
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -163,7 +164,9 @@ def plan_memory(
 def build_engine_parts(model: str | None, engine_config: EngineConfig | None = None) -> EngineParts:
     engine_config = engine_config or EngineConfig()
     ckpt = load_checkpoint(model, engine_config.quantization)
-    engine_config = engine_config.replace(quantization=ckpt.quantization)
+    engine_config = engine_config.replace(quantization=ckpt.quantization,
+                                          speculative_config=with_shipped_head(engine_config.speculative_config,
+                                                                               ckpt.path))
     mesh, r = check_mesh(engine_config, ckpt.config)  # before the weights are read: a bad mesh fails fast
     model_config = dataclasses.replace(ckpt.config, num_kv_heads=ckpt.config.num_kv_heads * r)  # as it will run
     tokenizer = ckpt.tokenizer

@@ -274,8 +274,8 @@ def test_malformed_heads_fail_clearly(target, tmp_path):
     save_file(w, str(p / "model.safetensors"))
     with pytest.raises(ValueError, match="d2t"):
         load_eagle3(str(p), tcfg, np.float32)
-    with pytest.raises(ValueError, match="required for method 'eagle3'"):
-        SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 2})
+    # no model: the head jaxserve ships for the target, looked up when the engine is built (test_eagle3_training.py)
+    assert SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 2}).model is None
 
 
 # ---- engine: greedy output with EAGLE-3 equals greedy output without it --------------------------------------------

@@ -243,17 +243,26 @@ def test_loss_mask_covers_exactly_the_output_predictions(dataset):
         assert int(total["valid"][k]) == want
 
 
-def test_training_learns_and_exports_losslessly(target, dataset, plain_llm, tmp_path):
+@pytest.fixture(scope="module")
+def trained(dataset, tmp_path_factory):
+    """(trainer, its exported head's directory, train-split evaluation before training, the training log)."""
     samples, store = dataset
     tr = _trainer(store)
     before = tr.evaluate(ids=tr.train_ids)
-    log = tr.train(out_dir=str(tmp_path / "head"))
+    head = str(tmp_path_factory.mktemp("trained") / "head")
+    log = tr.train(out_dir=head)
+    return tr, head, before, log
+
+
+def test_training_learns_and_exports_losslessly(target, dataset, trained, plain_llm):
+    samples, store = dataset
+    tr, head, before, log = trained
     after = tr.evaluate(ids=tr.train_ids)
     assert log[-1]["loss"] < 0.7 * log[0]["loss"] or after["loss"][0] < 0.7 * before["loss"][0], (before, after)
     assert after["acc"][0] > before["acc"][0] + 0.2, (before, after)
     assert after["tau"] > before["tau"]
 
-    cfg, w = load_eagle3(str(tmp_path / "head"), load_checkpoint(target).config, np.float32)
+    cfg, w = load_eagle3(head, load_checkpoint(target).config, np.float32)
     assert dataclasses.replace(tr.cfg, layer=cfg.layer) == cfg and cfg.aux_layer_ids == AUX  # same flags and ids
     assert dataclasses.replace(tr.cfg.layer, max_position_embeddings=cfg.layer.max_position_embeddings) == cfg.layer
     assert cfg.layer.hidden_size == D and cfg.layer.num_layers == 1 and cfg.draft_vocab_size == 64
@@ -269,7 +278,7 @@ def test_training_learns_and_exports_losslessly(target, dataset, plain_llm, tmp_
 
     spec = LLM(target, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(8, 64), page_size=4,
                max_model_len=128, precompile=False,
-               speculative_config={"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3})
+               speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
     prompts = [{"prompt_token_ids": samples[i]["prompt_token_ids"]} for i in (0, 1, 2)]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
@@ -278,15 +287,65 @@ def test_training_learns_and_exports_losslessly(target, dataset, plain_llm, tmp_
     assert sum(spec.llm_engine.spec.metrics.num_accepted) > 0  # the trained head's drafts do get accepted
 
 
+SERVE_KW = dict(max_num_batched_tokens=64, token_buckets=(8, 64), page_size=4, max_model_len=128, precompile=False)
+
+
+def test_shipped_head_is_what_eagle3_without_a_model_drafts_with(target, dataset, trained, plain_llm, tmp_path,
+                                                                 monkeypatch):
+    """`ship` writes the head in bfloat16 with a card that records the run and its served acceptance; with the head
+    registered for its target, `{"method": "eagle3"}` without a `model` drafts with it, losslessly, at the card's
+    acceptance; a target without a shipped head is refused, naming the field."""
+    from jaxserve.spec_decode import heads
+    from training.eagle3.ship import ship, served_acceptance, speculating_llm
+
+    samples, store = dataset
+    tr, head, _, log = trained
+    prompts = [samples[i]["prompt_token_ids"] for i in range(6)]
+    out = str(tmp_path / "shipped")
+    card = ship(head, out, features=store.path, served=dict(max_tokens=20, max_num_seqs=4), prompts=prompts,
+                **SERVE_KW)
+    assert card["held_out"]["tau"] == pytest.approx(tr.evaluate()["tau"], abs=0.05)  # bfloat16 barely moves it
+    assert card["target"] == target and card["dtype"] == "bfloat16"
+    assert card["training"]["steps"] == log[-1]["step"] == 60 and card["training"]["train_seconds"] > 0
+    assert card["training"]["train_samples"] == len(tr.train_ids)
+    served = card["served"]
+    assert served["num_prompts"] == 6 and served["num_draft_tokens"] > 0 and served["num_accepted_tokens"] > 0
+    assert "acceptance per draft position" in open(os.path.join(out, "README.md")).read()
+
+    cfg, w = load_eagle3(out, load_checkpoint(target).config, np.float32)
+    params = jax.device_get(tr.params)
+    for f in ("fc", "wq", "w_down", "lm_head", "final_norm"):  # the trained weights, rounded to bfloat16
+        want = np.asarray(getattr(params, f)).astype(jnp.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(getattr(w, f), want, err_msg=f)
+    assert (w.d2t == tr.d2t).all()
+
+    monkeypatch.setattr(heads, "HEADS", {target: out})
+    llm = LLM(target, max_num_seqs=4, **SERVE_KW,
+              speculative_config={"method": "eagle3", "num_speculative_tokens": 3, "adaptive": False})
+    assert llm.llm_engine.config.speculative_config.model == out
+    again, got = served_acceptance(llm, prompts, 20)
+    assert again == {k: served[k] for k in again}  # the card's acceptance, measured again
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    assert got == [o.outputs[0].token_ids for o in plain_llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                                      use_tqdm=False)]
+    # the same measurement through the helper the shipped-head test uses
+    assert served_acceptance(speculating_llm(target, out, 3, 4, **SERVE_KW), prompts, 20)[0] == again
+
+    monkeypatch.setattr(heads, "HEADS", {})
+    with pytest.raises(ValueError, match="speculative_config.model .* is required for target"):
+        LLM(target, max_num_seqs=4, **SERVE_KW, speculative_config={"method": "eagle3", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="speculative_config.model .* is required for method 'draft_model'"):
+        LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
+
+
 def test_exported_head_names_its_verifier(tmp_path):
     """An exported head names its target as the hub id for the embedded default model (not a site-packages path),
     else as the path it was trained against."""
-    from jaxserve.loader.gguf import default_model_path
-    from training.eagle3.train import DEFAULT_VERIFIER, verifier_name
+    from jaxserve.loader.gguf import DEFAULT_MODEL_ID, default_model_path, model_id
 
-    assert verifier_name(default_model_path()) == DEFAULT_VERIFIER
-    assert verifier_name(str(tmp_path)) == str(tmp_path)
-    assert verifier_name("no/such/model") == "no/such/model"
+    assert model_id(default_model_path()) == model_id(None) == DEFAULT_MODEL_ID
+    assert model_id(str(tmp_path)) == str(tmp_path)
+    assert model_id("no/such/model") == "no/such/model"
 
 
 # ---- runs spread over several processes ------------------------------------------------------------------------------
@@ -435,7 +494,7 @@ def test_features_resume_where_a_run_stopped(target, dataset, tmp_path, monkeypa
     got = FeatureStore.open(path)
     assert meta == got.meta == store.meta and not os.path.exists(os.path.join(path, "progress.json"))
     for f in dataclasses.fields(FeatureStore):
-        if f.name != "meta":
+        if f.name not in ("meta", "path"):
             assert np.array_equal(getattr(got, f.name), getattr(store, f.name)), f.name
     calls.clear()
     assert extract(samples, tf, path, log_every=0) == meta and calls == []

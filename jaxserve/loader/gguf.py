@@ -75,6 +75,22 @@ def default_model_path() -> str:
     return path
 
 
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded default model is, upstream
+
+
+def model_id(path: str | None) -> str:
+    """A stable name for a target model: the hub id for jaxserve's embedded default model (None, or a path to its
+    file: a path inside site-packages would mean nothing on another machine), else `path` as given."""
+    if path is None:
+        return DEFAULT_MODEL_ID
+    try:
+        if os.path.samefile(path, default_model_path()):
+            return DEFAULT_MODEL_ID
+    except OSError:  # no such file, or the default model is not installed
+        pass
+    return path
+
+
 def read_gguf(path: str, *, load_tokenizer: bool = True, keep_blocks: bool = False
               ) -> tuple[ModelConfig, LazyTensors, GGUFTokenizer]:
     """Parse `path` into (config, float32 weights under HF names read on access, tokenizer).

@@ -1,9 +1,10 @@
-"""`python -m training.eagle3 {regenerate,features,train,eval}`: the EAGLE-3 head pipeline.
+"""`python -m training.eagle3 {regenerate,features,train,eval,ship}`: the EAGLE-3 head pipeline.
 
     regenerate  ShareGPT prompts answered greedily by the target -> JSONL   (training/eagle3/regenerate.py)
     features    JSONL -> feature directory (target aux features, final hidden, argmax, loss mask)
     train       feature directory -> trained head, exported in speculators format (+ held-out evaluation)
     eval        an exported head + a feature directory -> per-position accuracy and implied acceptance length
+    ship        an exported head -> the directory jaxserve ships (bfloat16, with its card)  (training/eagle3/ship.py)
 
 Every step can be spread over several runs: run `regenerate` or `features` again with the same arguments and it
 goes on from what the last run wrote; `train --resume` continues from the latest checkpoint in OUT/checkpoints/
@@ -115,12 +116,14 @@ def train(argv) -> None:
     a = ap.parse_args(argv)
     _init_processes(a)
     tr = Trainer(FeatureStore.open(a.features), _train_config(a), a.model, mesh=a.mesh)
-    tr.train(a.out, resume=a.resume)
+    log = tr.train(a.out, resume=a.resume)
     if tr.stop_signal is not None:
         print("[train] to continue: the same command with --resume", flush=True)
         raise SystemExit(128 + tr.stop_signal)  # the status a shell gives a process the signal ended: not done
     if len(tr.eval_ids):
-        _print_acceptance(tr.evaluate(), len(tr.eval_ids))
+        result = tr.evaluate()
+        tr.write_record(a.out, log, held_out=result)
+        _print_acceptance(result, len(tr.eval_ids))
 
 
 def evaluate(argv) -> None:
@@ -141,12 +144,28 @@ def evaluate(argv) -> None:
     print(json.dumps(tr.evaluate(ids=np.arange(store.num_samples) if a.all else None)))
 
 
+def ship(argv) -> None:
+    from training.eagle3.ship import SERVED
+    from training.eagle3.ship import ship as write_shipped
+
+    ap = argparse.ArgumentParser(prog="python -m training.eagle3 ship")
+    ap.add_argument("--head", required=True, help="a head `train` exported (its training.json goes into the card)")
+    ap.add_argument("--out", required=True,
+                    help="the shipped directory, e.g. jaxserve/spec_decode/heads/smollm2-135m-instruct-eagle3")
+    ap.add_argument("--features", default=None, help="the head's features: adds the held-out split's evaluation")
+    ap.add_argument("--model", default=None, help="target (default: the one training.json names)")
+    ap.add_argument("--num-prompts", type=int, default=SERVED["num_prompts"], help="held-out chat prompts served")
+    a = ap.parse_args(argv)
+    card = write_shipped(a.head, a.out, features=a.features, target=a.model, served=dict(num_prompts=a.num_prompts))
+    print(json.dumps(dict(served=card["served"], held_out=card.get("held_out"))), flush=True)
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cmds = {"features": features, "train": train, "eval": evaluate}
+    cmds = {"features": features, "train": train, "eval": evaluate, "ship": ship}
     if not argv or argv[0] not in cmds | {"regenerate": None}:
         print(__doc__)
-        raise SystemExit(f"expected a subcommand: regenerate, features, train or eval (got {argv[:1]})")
+        raise SystemExit(f"expected a subcommand: regenerate, features, train, eval or ship (got {argv[:1]})")
     if argv[0] == "regenerate":
         from training.eagle3.regenerate import main as regenerate
 

@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import asdict
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -36,36 +37,40 @@ def layer_config_dict(c: ModelConfig) -> dict:
 
 
 def export_speculators(path: str, cfg: Eagle3Config, w: Eagle3Weights, d2t: np.ndarray, t2d: np.ndarray, *,
-                       verifier: str, num_speculative_tokens: int = 3) -> None:
-    """Write `w` (host or device arrays, [in, out] linears) as a speculators EAGLE-3 checkpoint in `path`."""
+                       verifier: str, num_speculative_tokens: int = 3, dtype: str = "float32") -> None:
+    """Write `w` (host or device arrays, [in, out] linears) as a speculators EAGLE-3 checkpoint in `path`, its
+    weights stored as `dtype` ("float32" or "bfloat16"; d2t and t2d keep their integer and bool types)."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16 (got {dtype!r})")
+    store = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     Vd = cfg.draft_vocab_size
     d2t, t2d = np.asarray(d2t, np.int64), np.asarray(t2d, bool)
     if d2t.shape != (Vd,) or t2d.shape != (cfg.layer.vocab_size,) or int(t2d.sum()) != Vd:
         raise ValueError(f"d2t must be i64[{Vd}] and t2d bool[{cfg.layer.vocab_size}] with {Vd} members "
                          f"(got {d2t.shape}, {t2d.shape} with {int(t2d.sum())})")
-    f32 = lambda a: np.ascontiguousarray(np.asarray(a, np.float32))  # noqa: E731
+    cast = lambda a: np.ascontiguousarray(np.asarray(a, np.float32).astype(store))  # noqa: E731
     lay = "layers.0."
     tensors = {
-        "fc.weight": f32(w.fc).T,
-        lay + "input_layernorm.weight": f32(w.embed_norm),
-        lay + "hidden_norm.weight": f32(w.hidden_norm),
-        lay + "self_attn.q_proj.weight": f32(w.wq).T,
-        lay + "self_attn.k_proj.weight": f32(w.wk).T,
-        lay + "self_attn.v_proj.weight": f32(w.wv).T,
-        lay + "self_attn.o_proj.weight": f32(w.wo).T,
-        lay + "post_attention_layernorm.weight": f32(w.mlp_norm),
-        lay + "mlp.gate_proj.weight": f32(w.w_gate).T,
-        lay + "mlp.up_proj.weight": f32(w.w_up).T,
-        lay + "mlp.down_proj.weight": f32(w.w_down).T,
-        "norm.weight": f32(w.final_norm),
-        "lm_head.weight": f32(w.lm_head).T,
+        "fc.weight": cast(w.fc).T,
+        lay + "input_layernorm.weight": cast(w.embed_norm),
+        lay + "hidden_norm.weight": cast(w.hidden_norm),
+        lay + "self_attn.q_proj.weight": cast(w.wq).T,
+        lay + "self_attn.k_proj.weight": cast(w.wk).T,
+        lay + "self_attn.v_proj.weight": cast(w.wv).T,
+        lay + "self_attn.o_proj.weight": cast(w.wo).T,
+        lay + "post_attention_layernorm.weight": cast(w.mlp_norm),
+        lay + "mlp.gate_proj.weight": cast(w.w_gate).T,
+        lay + "mlp.up_proj.weight": cast(w.w_up).T,
+        lay + "mlp.down_proj.weight": cast(w.w_down).T,
+        "norm.weight": cast(w.final_norm),
+        "lm_head.weight": cast(w.lm_head).T,
         "d2t": d2t,
         "t2d": t2d,
     }
     if cfg.norm_before_fc:
-        tensors["input_norm.weight"] = f32(w.fc_in_norm)
+        tensors["input_norm.weight"] = cast(w.fc_in_norm)
     if cfg.fc_norm:
-        tensors["fc_norm.weight"] = f32(w.fc_chunk_norm)
+        tensors["fc_norm.weight"] = cast(w.fc_chunk_norm)
     config = dict(
         speculators_model_type="eagle3",
         speculators_version="0.3.0",
@@ -81,6 +86,7 @@ def export_speculators(path: str, cfg: Eagle3Config, w: Eagle3Weights, d2t: np.n
         target_hidden_size=cfg.layer.hidden_size,
         eagle_aux_hidden_state_layer_ids=list(cfg.aux_layer_ids),
         embed_requires_grad=False,
+        torch_dtype=dtype,
         **{k: getattr(cfg, k) for k in FLAGS},
     )
     os.makedirs(path, exist_ok=True)

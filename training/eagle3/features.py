@@ -261,6 +261,7 @@ class FeatureStore:
     tokens: np.ndarray  # i32[N]
     target_argmax: np.ndarray  # i32[N]
     is_output: np.ndarray  # u8[N]
+    path: str = ""  # the directory
 
     @classmethod
     def open(cls, path: str) -> "FeatureStore":
@@ -271,7 +272,7 @@ class FeatureStore:
         idx = np.load(os.path.join(path, "index.npz"))
         ld = lambda n: np.load(os.path.join(path, n + ".npy"), mmap_mode="r")  # noqa: E731
         return cls(meta, idx["offsets"], idx["lengths"], idx["prompt_lens"], ld("aux"), ld("hidden"), ld("tokens"),
-                   ld("target_argmax"), ld("is_output"))
+                   ld("target_argmax"), ld("is_output"), path)
 
     @property
     def num_samples(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import signal
 import time
@@ -40,6 +41,7 @@ from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.eagle3 import load_eagle3
+from jaxserve.loader.gguf import model_id
 from jaxserve.loader.weights import to_weights
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights
 from training.eagle3.batches import BatchPlan, BatchStream, assemble, plan_batches
@@ -71,22 +73,6 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the newest checkpoints kept
     num_speculative_tokens: int = 3  # written into the exported config
     seed: int = 0
-
-
-DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded default model is, upstream
-
-
-def verifier_name(model: str) -> str:
-    """The target named in an exported head: the hub id for jaxserve's embedded default model (a file path inside
-    site-packages would mean nothing elsewhere), else the path the target was given as."""
-    from jaxserve.loader.gguf import default_model_path
-
-    try:
-        if os.path.samefile(model, default_model_path()):
-            return DEFAULT_VERIFIER
-    except (FileNotFoundError, OSError):
-        pass
-    return model
 
 
 def head_config(target: ModelConfig, aux_layer_ids, draft_vocab_size: int) -> Eagle3Config:
@@ -170,6 +156,9 @@ def _train_step(loss_fn, params, opt_state, embed, vocab, batch, *, tx):
     (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, embed, vocab, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, stats
+
+
+TRAINING_RECORD = "training.json"  # written beside an exported head
 
 
 class Trainer:
@@ -259,7 +248,7 @@ class Trainer:
         if jax.process_index() != 0:
             return
         export_speculators(path, self.cfg, jax.device_get(self.params), self.d2t, self.t2d,
-                           verifier=verifier_name(self.model),
+                           verifier=model_id(self.model),
                            num_speculative_tokens=self.tc.num_speculative_tokens)
 
     def init_opt_state(self, tx: optax.GradientTransformation):
@@ -365,4 +354,22 @@ class Trainer:
                     return log
         if out_dir:
             self.export(out_dir)
+            self.write_record(out_dir, log)
         return log
+
+    def write_record(self, path: str, log: list[dict], **extra) -> None:
+        """`path`/training.json: what the run was (target, settings, data) and what it took, plus `extra` (e.g. the
+        held-out evaluation); `ship` copies it into the head's card. Process 0 alone writes."""
+        if jax.process_index() != 0:
+            return
+        steps = [0] + [r["step"] for r in log]
+        seconds = sum(r["sec_per_step"] * (b - a) for r, a, b in zip(log, steps, steps[1:]))
+        out_rows = sum(int(self.store.is_output[self.store.rows(s)].sum()) for s in self.train_ids)
+        record = dict(target=model_id(self.model), config=dataclasses.asdict(self.tc),
+                      features=dict(num_samples=self.store.num_samples, num_tokens=self.store.meta["num_tokens"],
+                                    aux_layer_ids=self.store.meta["aux_layer_ids"]),
+                      train_samples=len(self.train_ids), train_output_tokens=out_rows,
+                      eval_samples=len(self.eval_ids), steps=steps[-1], train_seconds=round(seconds, 1),
+                      last_log=log[-1] if log else None, **extra)
+        with open(os.path.join(path, TRAINING_RECORD), "w") as f:
+            json.dump(record, f, indent=1)

@@ -1,0 +1,142 @@
+"""`python -m training.eagle3 ship`: a trained head -> the directory jaxserve ships for its target.
+
+    .venv/bin/python -m training.eagle3 ship --head data/eagle3/head --features data/eagle3/feats \
+        --out jaxserve/spec_decode/heads/smollm2-135m-instruct-eagle3
+
+writes, in `--out`:
+  config.json, model.safetensors   the head in the speculators format, weights in bfloat16 (half the bytes; a head's
+                                   acceptance does not notice)
+  card.json                        the run that trained it (`train`'s training.json), the held-out evaluation of
+                                   the bfloat16 weights on the features' held-out split, and `served`: the
+                                   acceptance measured by serving held-out chat prompts with the head (what
+                                   `tests/test_shipped_head.py` measures again)
+  README.md                        the same, for people
+
+`served` uses the first `--num-prompts` ShareGPT first turns of `bench`'s sample, rendered with the chat template and
+answered greedily up to EOS: `regenerate` skips those prompts, so they are held out by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import numpy as np
+
+SERVED = dict(num_prompts=16, max_tokens=128, num_speculative_tokens=3, max_num_seqs=16)
+
+
+def chat_prompts(tokenizer, num: int) -> list[list[int]]:
+    """The first `num` ShareGPT first turns (seed 0, as `bench` samples them) under the chat template."""
+    from jaxserve.datasets.sharegpt import sample_requests
+
+    reqs = sample_requests(tokenizer, num, seed=0, max_prompt_len=512)
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}],
+                                                           add_generation_prompt=True), add_special_tokens=False)
+            for r in reqs]
+
+
+def served_acceptance(llm, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    """Greedy replies to `prompts` (to EOS or `max_tokens`) from an `LLM` that speculates -> (the acceptance of this
+    call's drafts, `SpecMetrics.as_dict()` rounded; the replies)."""
+    from jaxserve import SamplingParams
+    from jaxserve.spec_decode.controller import SpecMetrics
+
+    before = copy.deepcopy(llm.llm_engine.spec.metrics)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    after, run = llm.llm_engine.spec.metrics, SpecMetrics(len(before.num_drafts))
+    run.num_drafts = [a - b for a, b in zip(after.num_drafts, before.num_drafts)]
+    run.num_accepted = [a - b for a, b in zip(after.num_accepted, before.num_accepted)]
+    run.num_steps, run.num_emitted = after.num_steps - before.num_steps, after.num_emitted - before.num_emitted
+    r4 = lambda v: round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v] if isinstance(v, list) else v  # noqa: E731
+    return {k: r4(v) for k, v in run.as_dict().items()}, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def speculating_llm(target: str | None, head: str, k: int, max_num_seqs: int, **engine_kw):
+    """An `LLM` drafting exactly `k` tokens with `head` for every sequence (adaptive K off: acceptance is measured at
+    every position)."""
+    from jaxserve import LLM
+
+    return LLM(target, max_num_seqs=max_num_seqs, speculative_config=dict(
+        method="eagle3", model=head, num_speculative_tokens=k, adaptive=False), **engine_kw)
+
+
+def write_card(out: str, card: dict) -> None:
+    with open(os.path.join(out, "card.json"), "w") as f:
+        json.dump(card, f, indent=1)
+    t, s, h = card.get("training") or {}, card["served"], card.get("held_out")
+    rates = " / ".join(f"{x:.3f}" for x in s["acceptance_rate_per_position"])
+    lines = [
+        f"# EAGLE-3 head for {card['target']}",
+        "",
+        f"Served by jaxserve when `speculative_config={{\"method\": \"eagle3\"}}` names no `model` and the target is "
+        f"`{card['target']}`. Speculators format, {card['dtype']} weights, draft vocabulary "
+        f"{card['draft_vocab_size']}, aux layers {card['aux_layer_ids']} (input convention).",
+        "",
+        "## Acceptance on held-out chat prompts (served)",
+        "",
+        f"{s['num_prompts']} ShareGPT first turns under the chat template (never in the training data), greedy to "
+        f"EOS or {s['max_tokens']} tokens, K = {s['num_speculative_tokens']} drafts every step:",
+        f"- acceptance per draft position: {rates}",
+        f"- mean acceptance length (tokens per verify step): {s['mean_acceptance_length']:.2f}",
+        f"- drafts verified: {s['num_draft_tokens']}, accepted: {s['num_accepted_tokens']}",
+    ]
+    if h:
+        lines += ["", "## Held-out features (offline)", "",
+                  f"The trainer's held-out split ({t.get('eval_samples')} samples): accuracy per draft step "
+                  f"{' / '.join(f'{x:.3f}' for x in h['acc'])} (each step fed the true tokens), implied mean "
+                  f"acceptance length {h['tau']:.2f}."]
+    if t:
+        c = t["config"]
+        lines += ["", "## Training", "",
+                  f"- data: {t['features']['num_samples']} samples ({t['features']['num_tokens']} tokens) of the "
+                  f"target's own greedy replies (`python -m training.eagle3 regenerate`); {t['train_samples']} train "
+                  f"({t['train_output_tokens']} reply tokens), {t['eval_samples']} held out",
+                  f"- {t['steps']} steps of {c['batch_tokens']} tokens ({c['epochs']} epochs), {c['ttt_steps']} TTT "
+                  f"steps, lr {c['lr']}, draft vocabulary {c['draft_vocab_size']}; {t['train_seconds'] / 60:.0f} "
+                  "min of training",
+                  "- pipeline and commands: README, *Training an EAGLE-3 head*; ablations: docs/eagle3_training.md"]
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def ship(head: str, out: str, *, features: str | None = None, target: str | None = None,
+         served: dict | None = None, prompts: list[list[int]] | None = None, **engine_kw) -> dict:
+    """Write the shipped form of `head` to `out` (module docstring); returns the card. `prompts` (token ids) replace
+    the chat prompts of `served`; `engine_kw` go to the serving `LLM`."""
+    from jaxserve.loader import load_checkpoint
+    from jaxserve.loader.eagle3 import load_eagle3
+    from jaxserve.loader.gguf import model_id
+    from training.eagle3.export import export_speculators
+    from training.eagle3.train import TRAINING_RECORD, TrainConfig, Trainer
+    from training.eagle3.vocab import vocab_mapping
+
+    served = SERVED | (served or {})
+    record_path = os.path.join(head, TRAINING_RECORD)
+    training = json.load(open(record_path)) if os.path.isfile(record_path) else None
+    target = target if target is not None else (training or {}).get("target")
+    ck = load_checkpoint(None if target == model_id(None) else target)
+    cfg, w = load_eagle3(head, ck.config, np.float32)
+    draft_ids = np.arange(cfg.draft_vocab_size) + w.d2t.astype(np.int64)
+    d2t, t2d = vocab_mapping(draft_ids, ck.config.vocab_size)
+    export_speculators(out, cfg, w, d2t, t2d, verifier=model_id(ck.path), dtype="bfloat16",
+                       num_speculative_tokens=served["num_speculative_tokens"])
+    card = dict(target=model_id(ck.path), dtype="bfloat16", draft_vocab_size=cfg.draft_vocab_size,
+                aux_layer_ids=list(cfg.aux_layer_ids), training=training)
+    if features:
+        from training.eagle3.features import FeatureStore
+
+        tc = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in training["config"].items()}) \
+            if training else TrainConfig()
+        tr = Trainer(FeatureStore.open(features), tc, ck.path, head=out)  # the run's split, windows and TTT steps
+        card["held_out"] = tr.evaluate()
+    llm = speculating_llm(ck.path, out, served["num_speculative_tokens"], served["max_num_seqs"], **engine_kw)
+    if prompts is None:
+        prompts = chat_prompts(llm.get_tokenizer(), served["num_prompts"])
+    served["num_prompts"] = len(prompts)
+    result, _ = served_acceptance(llm, prompts, served["max_tokens"])
+    card["served"] = served | result
+    write_card(out, card)
+    return card
