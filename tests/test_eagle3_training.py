@@ -296,7 +296,7 @@ def test_shipped_head_is_what_eagle3_without_a_model_drafts_with(target, dataset
     registered for its target, `{"method": "eagle3"}` without a `model` drafts with it, losslessly, at the card's
     acceptance; a target without a shipped head is refused, naming the field."""
     from jaxserve.spec_decode import heads
-    from training.eagle3.ship import ship, served_acceptance, speculating_llm
+    from training.eagle3.ship import served_acceptance, ship, speculating_llm
 
     samples, store = dataset
     tr, head, _, log = trained
@@ -463,8 +463,9 @@ def test_resume_refuses_another_run(dataset, stopped_at_50, tmp_path):
 
 
 def test_features_resume_where_a_run_stopped(target, dataset, tmp_path, monkeypatch):
-    """Extraction that dies after its first 10 or so samples resumes with the next one and ends byte-equal to one uninterrupted
-    extraction; a complete directory is returned as it is; another sample set is refused, not overwritten."""
+    """Extraction that dies after its first 10 or so samples resumes with the next one and ends byte-equal to one
+    uninterrupted extraction; a complete directory is returned as it is; another sample set is refused, not
+    overwritten."""
     samples, store = dataset
     tf = TargetFeatures(target, aux_layer_ids=AUX, max_len=64, len_buckets=(32, 64))
     run_target, calls = TargetFeatures.__call__, []

@@ -24,7 +24,11 @@ import os
 
 import numpy as np
 
-SERVED = dict(num_prompts=16, max_tokens=128, num_speculative_tokens=3, max_num_seqs=16)
+# The served measurement. quantization "none" (float32 weights, float activations): the target the features were
+# computed with, and one whose greedy choices do not depend on the step's shape (a quantized GGUF's default scheme
+# rounds activations to int8, which turns float noise between a verify step and a decode step into flipped near-ties
+# now and then), so the acceptance is reproducible and the replies equal plain greedy decoding.
+SERVED = dict(num_prompts=16, max_tokens=128, num_speculative_tokens=3, max_num_seqs=16, quantization="none")
 
 
 def chat_prompts(tokenizer, num: int) -> list[list[int]]:
@@ -78,7 +82,8 @@ def write_card(out: str, card: dict) -> None:
         "## Acceptance on held-out chat prompts (served)",
         "",
         f"{s['num_prompts']} ShareGPT first turns under the chat template (never in the training data), greedy to "
-        f"EOS or {s['max_tokens']} tokens, K = {s['num_speculative_tokens']} drafts every step:",
+        f"EOS or {s['max_tokens']} tokens, K = {s['num_speculative_tokens']} drafts every step, the target's weights "
+        f"as quantization={s['quantization']!r}:",
         f"- acceptance per draft position: {rates}",
         f"- mean acceptance length (tokens per verify step): {s['mean_acceptance_length']:.2f}",
         f"- drafts verified: {s['num_draft_tokens']}, accepted: {s['num_accepted_tokens']}",
@@ -132,7 +137,8 @@ def ship(head: str, out: str, *, features: str | None = None, target: str | None
             if training else TrainConfig()
         tr = Trainer(FeatureStore.open(features), tc, ck.path, head=out)  # the run's split, windows and TTT steps
         card["held_out"] = tr.evaluate()
-    llm = speculating_llm(ck.path, out, served["num_speculative_tokens"], served["max_num_seqs"], **engine_kw)
+    llm = speculating_llm(ck.path, out, served["num_speculative_tokens"], served["max_num_seqs"],
+                          quantization=served["quantization"], **engine_kw)
     if prompts is None:
         prompts = chat_prompts(llm.get_tokenizer(), served["num_prompts"])
     served["num_prompts"] = len(prompts)
