@@ -26,6 +26,8 @@ pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler (g++) to build the native kernel"
 )
 
+AVX512 = "avx512f" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+
 TOL = {  # (atol, rtol) of native vs reference, by query dtype: both compute in f32; low-precision outputs may
     "float32": (1e-5, 1e-5),  # differ by one rounding step
     "bfloat16": (2e-2, 2e-2),
@@ -174,6 +176,27 @@ def test_single_sequence_equals_dense_attention(q_len, kw):
                         sm_scale=sm_scale, **kw)
     dense = reference.dense_causal_attention(q, jnp.asarray(k), jnp.asarray(v), sm_scale=sm_scale, **kw)
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not AVX512, reason="the batch-invariant decode path needs AVX-512")
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])  # the decode path's KV dtypes
+@pytest.mark.parametrize("window", [2, 4, 16])
+@pytest.mark.parametrize("kw", [{}, dict(sliding_window=21)], ids=["plain", "window"])
+def test_a_verify_window_is_computed_bit_for_bit_as_decode_steps(kv_dtype, window, kw):
+    """Speculative decoding's losslessness and batch invariance, at the kernel: each token of a sequence's verify
+    window (K + 1 tokens, in a batch beside a prefill chunk and a decode) and of the prefill chunk gets exactly the
+    bits it gets alone as a decode token at its position. A last-bit difference would be enough to flip a greedy
+    near-tie under a quantized weight scheme."""
+    args, sm_scale = make_case((40, window, 1), (90, 70, 33), num_tokens=64, num_q_heads=9, num_kv_heads=3,
+                               kv_dtype=kv_dtype)
+    q, k, v, tables, seq, pos, is_real, ks, vs = args
+    attend = jax.jit(lambda *a: native.attend(*a, sm_scale=sm_scale, **kw))
+    batch = np.asarray(attend(*args))
+    for t in range(40 + window):  # a prompt's bits do not depend on how the scheduler chunked it either
+        alone = attend(q[t:t + 1], k, v, tables, seq[t:t + 1], pos[t:t + 1], is_real[t:t + 1], ks, vs)
+        what = f"verify token {t - 40}" if t >= 40 else f"prefill token {t}"
+        assert np.array_equal(np.asarray(alone)[0], batch[t]), f"{what} differs from its decode step"
+    assert_matches(batch, reference.attend(*args, sm_scale=sm_scale, **kw), "float32")
 
 
 def test_runs_inside_scan_over_a_stacked_cache():

@@ -49,6 +49,11 @@ def test_greedy_matches_hf_generate(llm, tiny):
 
 def generate_busy(eng, prompts, params) -> list[list[int]]:
     """Token ids of each prompt when one new request arrives per step while the others decode or prefill."""
+    return [o.token_ids for o in generate_busy_outputs(eng, prompts, params)]
+
+
+def generate_busy_outputs(eng, prompts, params) -> list:
+    """`generate_busy`, returning each request's CompletionOutput."""
     got, pending = {}, list(enumerate(prompts))
     while pending or eng.has_unfinished_requests():
         if pending:
@@ -56,7 +61,7 @@ def generate_busy(eng, prompts, params) -> list[list[int]]:
             eng.add_request(f"busy-{i}", p if isinstance(p, dict) else {"prompt_token_ids": p}, params)
         for out in eng.step():
             if out.finished:
-                got[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
+                got[int(out.request_id.split("-")[1])] = out.outputs[0]
     return [got[i] for i in range(len(prompts))]
 
 

@@ -117,3 +117,31 @@ def test_streamed_text_never_retracted(llm):
     final = texts[-1]
     assert final == " Paris.\n\n"
     assert all(final.startswith(t) for t in texts)
+
+
+def test_replies_are_batch_invariant_and_speculation_exact():
+    """Under the default scheme (the GGUF's own 4-bit blocks, activations rounded to int8 per block of 32), eight
+    chat replies are the same bits alone (max_num_seqs=1), in a batch of 8 (prompts prefilled side by side, chunked
+    by the token budget), and with n-gram speculation in that batch: every token and its logprob. Before 2026-12-05
+    every reply's logprobs changed from its second token on between alone and batched, and most replies' tokens:
+    int8 rounding turned last-bit differences (a norm summed in another order for another row count, attention
+    grouped another way) into flipped near-ties."""
+    from training.eagle3.ship import chat_prompts
+
+    params = SamplingParams(temperature=0, max_tokens=64, logprobs=0)
+
+    def replies(**kw):
+        llm = LLM(max_model_len=1024, precompile=False, **kw)
+        assert llm.llm_engine.config.quantization == "gguf"
+        prompts = chat_prompts(llm.get_tokenizer(), 8)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got = [[(t, lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+        return got, llm
+
+    alone, _ = replies(max_num_seqs=1)
+    batched, _ = replies(max_num_seqs=8)
+    spec, llm = replies(max_num_seqs=8, speculative_config=dict(method="ngram", num_speculative_tokens=3,
+                                                                adaptive=False))
+    assert sum(llm.llm_engine.spec.metrics.num_accepted) > 10
+    assert batched == alone
+    assert spec == alone

@@ -10,6 +10,8 @@ import torch
 
 VARIANTS = {
     "llama_gqa": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2),
+    # head dim 64, as real models have (the native CPU attention's decode path takes head dims 64 and 128)
+    "llama_hd64": dict(arch="llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
     "llama_mqa": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1),
     "llama_tied": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
     "llama3_rope": dict(

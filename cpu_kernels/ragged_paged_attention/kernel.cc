@@ -3,33 +3,47 @@
 // Computes exactly what pallas_kernels/ragged_paged_attention/reference.py::attend computes (read its docstring for
 // the semantics); this file owns only the CPU algorithm:
 //
-//   * Tokens are grouped into *blocks*: up to kBlockTokens consecutive real tokens of one sequence (a decode token
-//     is a block of one; a prefill chunk becomes a run of blocks). A task is one block, all kv heads.
-//   * A task walks only the keys its block can see (positions lo..hi: lo = 0, or the oldest key any of its tokens
-//     sees through the sliding window; hi = the block's last position; never the batch's longest context),
-//     kChunkKeys positions at a time, kv head by kv head, so together the heads read each page's contiguous
-//     [page_size, K, H] block. Each key and value row is read (and dequantized, scale folded in) once per chunk and
-//     used by all the block's rows for that kv head: B tokens x G query heads. An int8 cache in decode (few rows) is
-//     not copied at all: its rows are widened in registers where they are used, the key scales multiply the
-//     scores and the value scales fold into the softmax weights.
-//   * Decode (a block of one token; AVX-512 builds, f32 / bf16 / int8 KV, H = 64 or 128) takes its own path: the task
-//     walks its pages in order and each page's contiguous [page_size, K, H] block once. Per kv head, for up to 16 keys
-//     at a time: the G query rows' scores (queries held in zmm registers, key rows widened from bf16 / int8 in
-//     registers, a 16-way transposing add tree), one online-softmax update per row for those keys, and the weighted
-//     sum of their value rows while they are in L1. As each row of this page is used, the same row of the sequence's
-//     next page is prefetched (one prefetch per cache line). Measured on the 2-core EPYC VM (SmolLM2-135M shapes, one
-//     layer, medians, noisy shared machine), chunked path -> this one: 512 keys after 3 MB of other traffic per call
-//     158 -> 95 us f32, 119 -> 52 us bf16, 86 -> 40 us int8; 512 keys with the pages in L3/L2 61 -> 41, 60 -> 35,
-//     49 -> 26 us; 132 keys cold 38 -> 35, 55 -> 20, 28 -> 14 us. With the pages in L2 a 512-key call still costs
-//     ~25 us of compute, spread over the scores, add trees, exp and value sums. Tried and not kept: prefetching the
-//     whole next page in one burst when a page starts (no gain; ~400 prefetches at once), prefetching two pages
-//     ahead (same as one), prefetching into L2 only (slower for int8).
-//   * Per row, on either path: f32 scores (few rows: dot products per key; many rows: against the chunk's transposed
-//     keys), optional soft cap, causal / window / validity mask, online softmax with the reference's flush (a weight
-//     exp(z) with z <= -80 is exactly 0: its share is < 1e-34 and a subnormal would make the arithmetic ~100x
-//     slower), weighted sum of V. Keys past a block's last position and pages outside the pool are never read, and a
-//     weight is only ever multiplied with a value some token of the block sees (NaN in stale slots or unused pages
-//     cannot leak).
+//   * Tokens are grouped into *blocks* of one sequence: on the decode path a run of at most kPerTokenRun tokens of a
+//     sequence in the step (a decode token, a speculative verify window of K + 1) becomes blocks of one token (tasks
+//     spread over the threads); other runs become blocks of up to kBlockTokens tokens. A task is one block, all kv
+//     heads.
+//   * The decode path (AVX-512 builds, f32 / bf16 / int8 KV, H = 64 or 128: every block of the models served here)
+//     walks the block's pages once, in order, each page's contiguous [page_size, K, H] block in groups of up to 16
+//     keys aligned to the page. Per group and kv head, each token of the block that sees one of the keys updates
+//     its G query rows: their scores (queries held in zmm registers, key rows widened from bf16 / int8 in registers,
+//     a 16-way transposing add tree), one online-softmax update per row, and the weighted sum of the group's value
+//     rows while they are in L1. As each row of this page is used, the same row of the sequence's next page is
+//     prefetched (one prefetch per cache line).
+//     Batch invariance: a token's rows go through the same operations -- the same groups, the same tiles of its G
+//     rows, keys outside its causal / window range masked to weight exactly 0 -- whatever else its block holds. So
+//     its bits do not depend on how the step grouped it: alone or in a busy batch, prefilled in one chunk or two,
+//     decoded or verified among drafts. Under a quantized weight scheme a last-bit difference would move an
+//     activation's int8 rounding and could flip a greedy near-tie, so this is what makes speculative decoding
+//     reproduce plain decoding exactly and a request answer the same under load as alone.
+//     Measured on the 2-core EPYC VM (SmolLM2-135M shapes, one layer, medians, noisy shared machine), one-token
+//     chunked path -> this one: 512 keys after 3 MB of other traffic per call 158 -> 95 us f32, 119 -> 52 us bf16,
+//     86 -> 40 us int8; 512 keys with the pages in L3/L2 61 -> 41, 60 -> 35, 49 -> 26 us; 132 keys cold 38 -> 35,
+//     55 -> 20, 28 -> 14 us. With the pages in L2 a 512-key call still costs ~25 us of compute, spread over the
+//     scores, add trees, exp and value sums. Prefill blocks (2026-12-05, Intel Xeon VM, `bench.py`, a 512-token
+//     chunk at context 1024, 30 layers, min of 7): chunked path -> this one 281 -> 238 / 247 ms f32, 312 -> 281 / 294
+//     ms int8. Tried and not kept: prefetching the whole next page in one burst when a page starts (no gain; ~400
+//     prefetches at once), prefetching two pages ahead (same as one), prefetching into L2 only (slower for int8).
+//   * The chunked path (other builds, f16 / fp8 KV, other head dims) walks only the keys its block can see
+//     (positions lo..hi: lo = 0, or the oldest key any of its tokens sees through the sliding window; hi = the
+//     block's last position; never the batch's longest context), kChunkKeys positions at a time, kv head by kv
+//     head, so together the heads read each page's contiguous [page_size, K, H] block. Each key and value row is
+//     read (and dequantized, scale folded in) once per chunk and used by all the block's rows for that kv head: B
+//     tokens x G query heads. An int8 cache with few rows is not copied at all: its rows are widened in registers
+//     where they are used, the key scales multiply the scores and the value scales fold into the softmax weights.
+//     Its arithmetic depends on the block (few rows: dot products per key; many: transposed keys), so there a
+//     token's bits may depend on how the step grouped it, and a verify window's on its length.
+//   * Per row, on either path: f32 scores (decode path and few rows: dot products per key; many rows: against the
+//     chunk's transposed keys), optional soft cap, causal / window / validity mask, online softmax with the
+//     reference's flush (a weight exp(z) with z <= -80 is exactly 0: its share is < 1e-34 and a subnormal would make
+//     the arithmetic ~100x slower), weighted sum of V. Keys past a block's last position and pages outside the pool
+//     are never read, and a weight (even 0) is only ever multiplied with a value some token of the block sees or,
+//     under a sliding window on the decode path, an older key of the same page (written: the page holds visible
+//     keys after it), so NaN in stale slots or unused pages cannot leak.
 //   * Tasks run on XLA's intra-op thread pool, largest first, handed out by an atomic counter; the calling thread
 //     works too, and waits only for tasks that were actually taken (a helper that starts late finds no work).
 //
@@ -70,6 +84,7 @@ constexpr float kFlush = -80.0f;   // exp(z) for z <= kFlush is flushed to exact
 constexpr int kBlockTokens = 32;   // query tokens of one sequence sharing each page read
 constexpr int kMaxBlockRows = 128;  // ... but at most this many (token, query head) rows per block
 constexpr int kChunkKeys = 64;     // keys per online-softmax step
+constexpr int kPerTokenRun = 16;   // a sequence's run of at most this many tokens: one task per token
 
 // ------------------------------------------------------------------ scalar conversions
 
@@ -639,11 +654,12 @@ inline V16 TransposeSum16(const V16* v) {
          __builtin_shufflevector(r[0], r[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-// RT query rows (q: f32[RT, H], times sm_scale) of one kv head against n <= 16 consecutive visible keys of one page
-// (row j of k / v at k + j * stride): scores, one online-softmax update of m / l / acc (f32[RT], [RT], [RT, H]), and
-// the weighted sum of the n values. kscale / vscale: the keys' scales (int8) or null. Only the n rows are read.
+// RT query rows (q: f32[RT, H], times sm_scale) of one kv head against n <= 16 consecutive keys of one page (row j
+// of k / v at k + j * stride), of which j0 .. n - 1 are visible: scores, one online-softmax update of m / l / acc
+// (f32[RT], [RT], [RT, H]), and the weighted sum of the values (weight exactly 0 outside the visible ones). kscale /
+// vscale: the keys' scales (int8) or null. Only the n rows are read.
 template <int RT, int NC, typename E>
-void DecodeTile(const float* q, const E* k, const E* v, int64_t stride, int n, const float* kscale,
+void DecodeTile(const float* q, const E* k, const E* v, int64_t stride, int j0, int n, const float* kscale,
                 const float* vscale, float soft_cap, int64_t prefetch, float* m, float* l, float* acc) {
   constexpr int H = NC * kWide;
   V16 y[RT][NC];
@@ -663,7 +679,7 @@ void DecodeTile(const float* q, const E* k, const E* v, int64_t stride, int n, c
   for (int j = n; j < kWide; ++j)
     for (int r = 0; r < RT; ++r) part[r][j] = V16{};
   const V16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const V16i live = lane < n;
+  const V16i live = (lane >= j0) & (lane < n);  // keys j0 .. n - 1 are visible (the others: outside the window)
   alignas(64) float w[RT][kWide];
   float alpha[RT];
   for (int r = 0; r < RT; ++r) {
@@ -699,11 +715,16 @@ void DecodeTile(const float* q, const E* k, const E* v, int64_t stride, int n, c
     for (int c = 0; c < NC; ++c) Store16(acc + r * H + c * kWide, a[r][c]);
 }
 
-// A decode task (one token; rows kv * G + g in ws, H = NC * 16): every visible key in page order.
+// A task on the decode path (H = NC * 16; token b's rows for kv head kv are kv * R + b * G + g in ws): the block's
+// pages are walked once, in order, in groups of up to 16 keys aligned to the page (a group never depends on the
+// block: the same for a token alone or among others). Per group and kv head, each token that sees one of the keys
+// updates its G rows, tiles of up to 4 (DecodeTile), while the group's rows are in L1. So a token's rows go through
+// exactly the operations they would alone, whatever else is in its block: the bits do not depend on how the step
+// grouped tokens (decode, verify window, prefill chunk of any length).
 template <int NC, typename E>
 void DecodeTask(const Problem& p, const Task& task, Workspace& ws) {
   constexpr int64_t H = NC * kWide;
-  const int64_t K = p.K, G = p.G, ps = p.page_size, stride = K * H;
+  const int64_t K = p.K, G = p.G, B = task.num_tokens, R = B * G, ps = p.page_size, stride = K * H;
   const E* k_pages = static_cast<const E*>(p.k_pages);
   const E* v_pages = static_cast<const E*>(p.v_pages);
   const int32_t* table = p.block_tables + task.seq * p.max_pages;
@@ -718,7 +739,9 @@ void DecodeTask(const Problem& p, const Task& task, Workspace& ws) {
       if (next >= 0 && next < p.P) next_delta = (static_cast<int64_t>(next) - page) * ps * stride;
     }
     const int64_t end = std::min(task.hi + 1, (pg + 1) * ps);
-    for (int64_t s0 = std::max(task.lo, pg * ps); s0 < end; s0 += kWide) {
+    // Groups start at multiples of 16 keys into the page; keys before the block's first visible one are not read
+    // when a whole group lies before it.
+    for (int64_t s0 = pg * ps + (std::max(task.lo, pg * ps) - pg * ps) / kWide * kWide; s0 < end; s0 += kWide) {
       const int n = static_cast<int>(std::min<int64_t>(kWide, end - s0));
       const int64_t row0 = (static_cast<int64_t>(page) * ps + s0 - pg * ps) * K;  // pool row of (key s0, kv head 0)
       for (int64_t kv = 0; kv < K; ++kv) {
@@ -733,16 +756,23 @@ void DecodeTask(const Problem& p, const Task& task, Workspace& ws) {
         }
         const E* k = k_pages + (row0 + kv) * H;
         const E* v = v_pages + (row0 + kv) * H;
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-          const int64_t pf = g0 == 0 ? next_delta : 0;  // prefetch once per kv head
-          const int64_t r = kv * G + g0;
-          float *m = &ws.m[r], *l = &ws.l[r], *acc = &ws.acc[r * H];
-          const float* q = &ws.qf[r * H];
-          switch (std::min<int64_t>(4, G - g0)) {
-            case 1: DecodeTile<1, NC>(q, k, v, stride, n, ks, vs, p.soft_cap, pf, m, l, acc); break;
-            case 2: DecodeTile<2, NC>(q, k, v, stride, n, ks, vs, p.soft_cap, pf, m, l, acc); break;
-            case 3: DecodeTile<3, NC>(q, k, v, stride, n, ks, vs, p.soft_cap, pf, m, l, acc); break;
-            default: DecodeTile<4, NC>(q, k, v, stride, n, ks, vs, p.soft_cap, pf, m, l, acc); break;
+        int64_t pf = next_delta;  // prefetch once per kv head, with the first tile
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t last = p.pos[task.t0 + b];
+          const int64_t first = p.window > 0 ? last - p.window + 1 : 0;
+          const int nb = static_cast<int>(std::min<int64_t>(n, last + 1 - s0));  // keys s0 .. last
+          const int jb = static_cast<int>(std::clamp<int64_t>(first - s0, 0, kWide));  // keys from first
+          if (jb >= nb) continue;  // the token sees none of the group
+          for (int64_t g0 = 0; g0 < G; g0 += 4, pf = 0) {
+            const int64_t r = kv * R + b * G + g0;
+            float *m = &ws.m[r], *l = &ws.l[r], *acc = &ws.acc[r * H];
+            const float* q = &ws.qf[r * H];
+            switch (std::min<int64_t>(4, G - g0)) {
+              case 1: DecodeTile<1, NC>(q, k, v, stride, jb, nb, ks, vs, p.soft_cap, pf, m, l, acc); break;
+              case 2: DecodeTile<2, NC>(q, k, v, stride, jb, nb, ks, vs, p.soft_cap, pf, m, l, acc); break;
+              case 3: DecodeTile<3, NC>(q, k, v, stride, jb, nb, ks, vs, p.soft_cap, pf, m, l, acc); break;
+              default: DecodeTile<4, NC>(q, k, v, stride, jb, nb, ks, vs, p.soft_cap, pf, m, l, acc); break;
+            }
           }
         }
       }
@@ -761,10 +791,20 @@ bool DecodeTaskOfKind(const Problem& p, const Task& task, Workspace& ws) {
 }
 #endif
 
-// Runs a one-token task on the decode path; false (nothing done) where that path does not apply.
+// Whether tasks take the decode path: AVX-512 builds, head dim 64 or 128, f32 / bf16 / int8 KV.
+bool DecodePathApplies(const Problem& p) {
+#if defined(__AVX512F__)
+  return (p.H == 64 || p.H == 128) &&
+         (p.kv_kind == KvKind::kF32 || p.kv_kind == KvKind::kBf16 || p.kv_kind == KvKind::kS8);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+// Runs a task on the decode path; false (nothing done) where that path does not apply.
 bool TryDecodeTask(const Problem& p, const Task& task, Workspace& ws) {
 #if defined(__AVX512F__)
-  if (task.num_tokens != 1) return false;
   switch (p.H) {
     case 64: return DecodeTaskOfKind<4>(p, task, ws);
     case 128: return DecodeTaskOfKind<8>(p, task, ws);
@@ -807,7 +847,7 @@ void RunTask(const Problem& p, const Task& task, Workspace& ws) {
       for (int64_t h = 0; h < H; ++h) dst[h] = LoadQ(p, src + h) * p.sm_scale;
     }
   }
-  // A decode token walks its pages (TryDecodeTask); otherwise all kv heads of a chunk in turn: together they read
+  // The decode path where it applies (TryDecodeTask); otherwise all kv heads of a chunk in turn: together they read
   // the pages' contiguous [page_size, K, H] blocks.
   if (!TryDecodeTask(p, task, ws)) {
     for (int64_t c0 = task.lo; c0 <= task.hi; c0 += C) {
@@ -829,26 +869,31 @@ void RunTask(const Problem& p, const Task& task, Workspace& ws) {
 std::vector<Task> MakeTasks(const Problem& p) {
   std::vector<Task> tasks;
   const int64_t max_tokens = std::max<int64_t>(1, std::min<int64_t>(kBlockTokens, kMaxBlockRows / p.G));
+  const auto seq_of = [&](int64_t t) { return std::clamp<int64_t>(p.seq[t], 0, p.S - 1); };
+  const bool split = DecodePathApplies(p);
   for (int64_t t = 0; t < p.T;) {
     if (!p.is_real[t]) {
       ++t;
       continue;
     }
-    const int64_t seq = std::clamp<int64_t>(p.seq[t], 0, p.S - 1);
-    int64_t end = t + 1;
-    while (end < p.T && end - t < max_tokens && p.is_real[end] &&
-           std::clamp<int64_t>(p.seq[end], 0, p.S - 1) == seq) {
-      ++end;
+    // This step's run of consecutive tokens of one sequence: on the decode path a short one (a decode token, a
+    // speculative verify window) becomes one-token tasks, spread over the threads; otherwise blocks of up to
+    // max_tokens (on the chunked path a block's arithmetic depends on its size, so a run is blocked as before).
+    int64_t run = t + 1;
+    while (run < p.T && p.is_real[run] && seq_of(run) == seq_of(t)) ++run;
+    const int64_t block = split && run - t <= kPerTokenRun ? 1 : max_tokens;
+    for (int64_t b = t; b < run; b += block) {
+      const int64_t end = std::min(run, b + block);
+      int64_t lo = INT64_MAX, hi = -1;
+      for (int64_t u = b; u < end; ++u) {
+        hi = std::max<int64_t>(hi, p.pos[u]);
+        lo = std::min<int64_t>(lo, p.window > 0 ? p.pos[u] - p.window + 1 : 0);
+      }
+      lo = std::max<int64_t>(lo, 0);
+      hi = std::min<int64_t>(hi, p.max_pages * p.page_size - 1);
+      if (hi >= lo) tasks.push_back(Task{b, end - b, seq_of(t), lo, hi, (end - b) * (hi - lo + 1 + p.page_size)});
     }
-    int64_t lo = INT64_MAX, hi = -1;
-    for (int64_t u = t; u < end; ++u) {
-      hi = std::max<int64_t>(hi, p.pos[u]);
-      lo = std::min<int64_t>(lo, p.window > 0 ? p.pos[u] - p.window + 1 : 0);
-    }
-    lo = std::max<int64_t>(lo, 0);
-    hi = std::min<int64_t>(hi, p.max_pages * p.page_size - 1);
-    if (hi >= lo) tasks.push_back(Task{t, end - t, seq, lo, hi, (end - t) * (hi - lo + 1 + p.page_size)});
-    t = end;
+    t = run;
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   return tasks;
