@@ -284,6 +284,10 @@ def linear(x: jax.Array, w) -> jax.Array:
 # (XLA twin when the library cannot be built); the sampler uses it when `Backends.native_cpu`
 row_stats = _cpu_row_stats.row_stats
 
+# x f32[R, D] -> each row's sum of squares in a fixed order whatever R (one native CPU pass; XLA's sum when the
+# library cannot be built): RMSNorm's reduction when the step runs the native CPU kernels (`layers.rms_norm`)
+row_sum_squares = _cpu_row_stats.sum_squares
+
 
 # --- KV quantization ------------------------------------------------------------------------------------------
 

@@ -110,3 +110,21 @@ def test_sampler_with_native_stats_equals_the_xla_sampler():
         for field in ("logprobs", "top_logprobs"):
             np.testing.assert_allclose(native_out[field], xla_out[field], atol=2e-6, err_msg=field)
         assert int(out[1].token_ids[1]) != int(logits[1].argmax())  # the ban took effect
+
+
+@pytest.mark.parametrize("D", [1, 15, 16, 64, 576, 1000])
+def test_sum_squares_is_exact_enough_and_batch_invariant(D):
+    """RMSNorm's reduction (`sum_squares`): within float rounding of the float64 sum, and each row's bits the same
+    alone and inside batches of any size and position -- what XLA's own `sum(x * x)` does not give once the row
+    count reaches 8 (checked below, so the kernel keeps a reason to exist)."""
+    assert native.load_sum_squares()
+    x = np.random.default_rng(D).standard_normal((40, D)).astype(np.float32) * 3
+    f = jax.jit(native.sum_squares)
+    full = np.asarray(f(jnp.asarray(x)))
+    np.testing.assert_allclose(full, (x.astype(np.float64) ** 2).sum(-1), rtol=2e-6)
+    for lo, hi in [(0, 1), (3, 4), (0, 8), (5, 21), (39, 40)]:
+        assert np.array_equal(np.asarray(f(jnp.asarray(x[lo:hi]))), full[lo:hi]), (lo, hi)
+    if D == 576:
+        xla = jax.jit(lambda a: jnp.sum(a * a, axis=-1))
+        alone = np.stack([np.asarray(xla(jnp.asarray(x[i:i + 1])))[0] for i in range(40)])
+        assert not np.array_equal(alone, np.asarray(xla(jnp.asarray(x))))

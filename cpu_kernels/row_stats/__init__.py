@@ -49,3 +49,25 @@ def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]
     out = (jax.ShapeDtypeStruct((R,), jnp.float32), jax.ShapeDtypeStruct((R,), jnp.int32),
            jax.ShapeDtypeStruct((R,), jnp.float32), jax.ShapeDtypeStruct((R,), jnp.bool_))
     return tuple(jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x))
+
+
+SUM_SQUARES_TARGET = "jaxserve_row_sum_squares"
+
+
+@functools.cache
+def load_sum_squares() -> bool:
+    """`load` for the sum-of-squares target (the same library)."""
+    return load_cpu_target(build_library, SOURCE, "JaxserveRowSumSquares", SUM_SQUARES_TARGET,
+                           "native CPU row sums of squares unavailable, using XLA (RMSNorm is not batch-invariant)")
+
+
+def sum_squares(x: jax.Array) -> jax.Array:
+    """x f32[R, D] -> f32[R]: each row's sum of squares in one fixed order whatever R (`kernel.cc`), so a row's
+    result never depends on the other rows; XLA's `jnp.sum(x * x, -1)` (the fallback when the library cannot be
+    built) picks its order by shape. Traceable."""
+    if x.ndim != 2 or x.dtype != jnp.float32:
+        raise ValueError(f"sum_squares takes x f32[R, D] (got {x.shape} {x.dtype})")
+    if not load_sum_squares():
+        return jnp.sum(x * x, axis=-1)
+    return jax.ffi.ffi_call(SUM_SQUARES_TARGET, jax.ShapeDtypeStruct((x.shape[0],), jnp.float32),
+                            vmap_method="sequential")(x)

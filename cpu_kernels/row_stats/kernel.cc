@@ -13,7 +13,8 @@
 // first = V and log_z = NaN (XLA's max skips NaNs instead; either way the sampler fails the row on `nonfinite`); a
 // row whose maximum is +-inf gets log_z = NaN (inf - inf), as in XLA.
 //
-// Targets: JaxserveRowStats  x f32[R, V] -> m f32[R], first s32[R], log_z f32[R], nonfinite pred[R].
+// Targets: JaxserveRowStats  x f32[R, V] -> m f32[R], first s32[R], log_z f32[R], nonfinite pred[R];
+//          JaxserveRowSumSquares  x f32[R, D] -> f32[R] (below, for RMSNorm).
 
 #include <algorithm>
 #include <cmath>
@@ -136,7 +137,38 @@ ffi::Error RowStatsImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
+// Each row's sum of squares, by one fixed sequence of operations whatever R: 16 lanes, lane l summing x[k] * x[k]
+// for k = l, l + 16, ... in order, then the lanes folded pairwise (8, 4, 2, 1). What RMSNorm needs to stay batch-
+// invariant (jaxserve/model/layers.py::rms_norm): XLA:CPU picks a reduction order by shape, so a row's sum would
+// change in its last bit with the number of rows in the step.
+ffi::Error RowSumSquaresImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto d = x.dimensions();
+  if (d.size() != 2 || out->element_count() != static_cast<size_t>(d[0])) {
+    return ffi::Error::InvalidArgument("row_sum_squares: expected x f32[R, D] and an [R] output");
+  }
+  const int64_t D = d[1];
+  for (int64_t r = 0; r < d[0]; ++r) {
+    const float* row = x.typed_data() + r * D;
+    float acc[16] = {};
+    int64_t k = 0;
+    for (; k + 16 <= D; k += 16) {
+      for (int l = 0; l < 16; ++l) acc[l] += row[k + l] * row[k + l];
+    }
+    for (int l = 0; k + l < D; ++l) acc[l] += row[k + l] * row[k + l];
+    for (int w = 8; w >= 1; w /= 2) {
+      for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    }
+    out->typed_data()[r] = acc[0];
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowSumSquares, RowSumSquaresImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // sum of squares per row
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowStats, RowStatsImpl,
                               ffi::Ffi::Bind()

@@ -13,39 +13,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import ops
 from jaxserve.config import ModelConfig
 from jaxserve.ops import linear, linears  # x @ w for any weight form: the model's only matmuls
 
-SUM_LANES = 16  # row_sum_squares: lanes summed in sequence, then folded pairwise
 
-
-def row_sum_squares(x32: jax.Array) -> jax.Array:
-    """f32[..., D] -> f32[..., 1]: each row's sum of squares by the same float operations whatever the other
-    dimensions are. Lane l adds x[l], x[l + 16], x[l + 32], ... in sequence (an elementwise chain of slices, which
-    XLA fuses and never reorders), then the 16 lanes fold pairwise. `jnp.sum` would leave the order to XLA, which
-    picks a reduction strategy by shape: a row's norm then changes in its last bit with the number of tokens in
-    the step, and under a quantized scheme that bit can flip an activation's rounding and a greedy near-tie -- the
-    same request would answer differently alone and in a busy batch, or with and without speculative decoding."""
-    D = x32.shape[-1]
-    pad = -D % SUM_LANES
-    sq = x32 * x32
-    if pad:
-        sq = jnp.pad(sq, [(0, 0)] * (sq.ndim - 1) + [(0, pad)])  # zeros add exactly
-    acc = sq[..., :SUM_LANES]
-    for c in range(SUM_LANES, D + pad, SUM_LANES):
-        acc = acc + sq[..., c : c + SUM_LANES]
-    w = SUM_LANES
-    while w > 1:
-        w //= 2
-        acc = acc[..., :w] + acc[..., w : 2 * w]
-    return acc
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x: f[..., D], weight: f[D] -> f[..., D]. Batch-invariant: each row's result depends on that row only, bit for
-    bit (`row_sum_squares`)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, invariant: bool = False) -> jax.Array:
+    """x: f[..., D], weight: f[D] -> f[..., D]. `invariant` (the engine's native CPU step): each row's sum of squares
+    is computed by one fixed sequence of operations (`ops.row_sum_squares`), so a row's result depends on that row
+    only, bit for bit. XLA's own reduction picks its order by shape: a row's norm then changed in its last bit with
+    the number of tokens in the step (from 8 rows on), and under a quantized scheme that bit can move an
+    activation's int8 rounding and flip a greedy near-tie -- the same request answered differently alone and in a
+    busy batch, or with and without speculative decoding. (A chain of 16-lane slices in jnp fixes the order too, but
+    XLA:CPU ran it ~7x slower than the plain mean; a column-sum formulation was invariant alone but not once fused.)"""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(row_sum_squares(x32) / x32.shape[-1] + eps)
+    if invariant:
+        D = x32.shape[-1]
+        ms = (ops.row_sum_squares(x32.reshape(-1, D)) / D).reshape(*x32.shape[:-1], 1)
+    else:
+        ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    x32 = x32 * jax.lax.rsqrt(ms + eps)
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 

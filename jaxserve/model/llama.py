@@ -187,18 +187,18 @@ def pack_linear_weights(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=layers, lm_head=ops.pack_linear(head))
 
 
-def _attention_block(cfg: ModelConfig, w: LayerWeights, x, positions, inv_freq):
-    """Pre-norm projections and RoPE. x: f[T, D] -> q f[T, N, H], k/v f[T, K, H]."""
+def _attention_block(cfg: ModelConfig, w: LayerWeights, x, positions, inv_freq, invariant: bool = False):
+    """Pre-norm projections and RoPE. x: f[T, D] -> q f[T, N, H], k/v f[T, K, H]. `invariant`: see `rms_norm`."""
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps, invariant)
     q, k, v = linears(h, w.wq, w.wk, w.wv)
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q, k, v = q.reshape(T, N, H), k.reshape(T, K, H), v.reshape(T, K, H)
     if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q = rms_norm(q, w.q_norm, cfg.rms_norm_eps, invariant)
+        k = rms_norm(k, w.k_norm, cfg.rms_norm_eps, invariant)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -227,6 +227,9 @@ def forward(
         backends = ops.Backends.default(packed_weights=isinstance(weights.lm_head, ops.PackedLinear))
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    # The native CPU step is batch-invariant bit for bit (README, *Batch invariance*): its norms too. Not under a
+    # tensor-parallel mesh, whose partitioner would have to place the custom call.
+    invariant = backends.native_cpu and backends.mesh is None
     if x is None:
         x = sharding.vocab_lookup(backends.mesh, weights.embed, inputs.token_ids)  # [T, D]
     meta = attention.token_metadata(inputs)
@@ -239,12 +242,12 @@ def forward(
         if hidden_layer_ids:  # keep only the chosen layers' inputs: [n, T, D], not every layer's
             hidden = jnp.where((ids == i)[:, None, None], x[None], hidden)
         with jax.named_scope("attention"):
-            q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq)
+            q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq, invariant)
             kv = write_kv(kv, i, k, v, inputs.slot_mapping)
             o = attention.ragged_paged_attention(q, kv, i, inputs, meta, sm_scale=sm_scale, backends=backends)
             h = x + linear(o.reshape(x.shape[0], -1), w.wo)
         with jax.named_scope("mlp"):
-            out = h + gated_mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
+            out = h + gated_mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps, invariant), w.w_gate, w.w_up, w.w_down)
         return (out, kv, hidden), None
 
     hidden = jnp.zeros((len(hidden_layer_ids), *x.shape), x.dtype) if hidden_layer_ids else None
@@ -259,7 +262,7 @@ def forward(
 
     if weights.final_norm is None:  # a pipeline stage before the last
         return x, kv, hidden
-    h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)  # [T, D]
+    h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps, invariant)  # [T, D]
     return h, kv, hidden
 
 
