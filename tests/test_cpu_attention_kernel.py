@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import shutil
 
 import jax
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler (g++) to build the native kernel"
 )
 
-AVX512 = "avx512f" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+AVX512 = os.path.exists("/proc/cpuinfo") and "avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
 
 TOL = {  # (atol, rtol) of native vs reference, by query dtype: both compute in f32; low-precision outputs may
     "float32": (1e-5, 1e-5),  # differ by one rounding step

@@ -128,20 +128,19 @@ def test_replies_are_batch_invariant_and_speculation_exact():
     grouped another way) into flipped near-ties."""
     from training.eagle3.ship import chat_prompts
 
-    params = SamplingParams(temperature=0, max_tokens=64, logprobs=0)
-
-    def replies(**kw):
-        llm = LLM(max_model_len=1024, precompile=False, **kw)
+    def replies(llm, **params):
         assert llm.llm_engine.config.quantization == "gguf"
         prompts = chat_prompts(llm.get_tokenizer(), 8)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        got = [[(t, lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-        return got, llm
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=64, logprobs=0, **params), use_tqdm=False)
+        return [[(t, lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
 
-    alone, _ = replies(max_num_seqs=1)
-    batched, _ = replies(max_num_seqs=8)
-    spec, llm = replies(max_num_seqs=8, speculative_config=dict(method="ngram", num_speculative_tokens=3,
-                                                                adaptive=False))
+    alone = replies(LLM(max_model_len=1024, precompile=False, max_num_seqs=1))
+    llm = LLM(max_model_len=1024, precompile=False, max_num_seqs=8,
+              speculative_config=dict(method="ngram", num_speculative_tokens=3, adaptive=False))
+    batched = replies(llm, num_speculative_tokens=0)  # each request opts out of speculation
+    assert sum(llm.llm_engine.spec.metrics.num_drafts) == 0
+    spec = replies(llm)  # the same prompts again: now from the prefix cache too
     assert sum(llm.llm_engine.spec.metrics.num_accepted) > 10
     assert batched == alone
     assert spec == alone

@@ -84,7 +84,7 @@ constexpr float kFlush = -80.0f;   // exp(z) for z <= kFlush is flushed to exact
 constexpr int kBlockTokens = 32;   // query tokens of one sequence sharing each page read
 constexpr int kMaxBlockRows = 128;  // ... but at most this many (token, query head) rows per block
 constexpr int kChunkKeys = 64;     // keys per online-softmax step
-constexpr int kPerTokenRun = 16;   // a sequence's run of at most this many tokens: one task per token
+constexpr int kPerTokenRun = 16;   // decode path: a sequence's run of at most this many tokens, a task per token
 
 // ------------------------------------------------------------------ scalar conversions
 
