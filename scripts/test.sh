@@ -8,4 +8,4 @@ scripts/setup.sh --test
 export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Two workers (the machines have 2 cores; much of the suite is single-threaded compilation), each taking whole test
 # files so a file's module fixtures (a multi-device engine report, a server) are built once.
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=30 "$@"
