@@ -66,10 +66,8 @@ class _Launched:
     steps: list[tuple]  # (Bucket, StepBatch) per micro-batch
     t0: float  # when it was dispatched
     t_begin: float  # when its step began (before proposing and scheduling)
-    # executables compiled (`_num_compiles`) when its step began and when it was dispatched: a step whose period
-    # saw a compile is not timed
-    compiles_at_begin: int
-    compiles_at_t0: int
+    compiles_at_begin: int  # executables compiled (`_num_compiles`) when its step began: a step whose period saw
+    # a compile is not timed
     device_outputs: list | None = None
     error: BaseException | None = None
     hidden: object = None  # the step's target features on device (EAGLE-3: `ModelRunner.last_hidden`)
@@ -388,9 +386,8 @@ class LLMEngine:
                 if not work:
                     return None
         t0 = time.perf_counter()
-        at_t0 = self._num_compiles()
         launched = _Launched(work, groups, steps, t0, t0 if t_begin is None else t_begin,
-                             at_t0 if compiles is None else compiles, at_t0)
+                             self._num_compiles() if compiles is None else compiles)
         try:
             launched.device_outputs = self.runner.dispatch(steps)
             launched.hidden = self.runner.last_hidden
@@ -415,11 +412,13 @@ class LLMEngine:
                 raise EngineDeadError(e) from e
             raise _RunFailed(e) from e
         now = time.perf_counter()
-        # What the step costs the engine, its period: a step that overlapped the one before (async scheduling) from
+        # What the step costs the engine, its period: a step built while the one before ran (async scheduling) from
         # when that one landed, a step built after the one before landed from when it began (proposing,
         # scheduling, building); plus its processing below unless the next step is in flight behind it (otherwise
-        # the next step waits for it).
-        run_seconds = now - (max(launched.t0, self._last_landed) if launched.advanced else launched.t_begin)
+        # the next step waits for it). The controller keeps the two kinds apart: only a step without drafts can
+        # have the next one built behind it.
+        overlapped = launched.t_begin < self._last_landed
+        run_seconds = now - max(launched.t_begin, self._last_landed)
         self._last_landed = now
         self.num_steps += 1
         trace_accepted = self.step_trace is not None and self.spec is not None
@@ -437,20 +436,20 @@ class LLMEngine:
             run_seconds += time.perf_counter() - now
         # A period that included compiling (this step's executables, the proposer's, or those of the next step,
         # built while this one ran) says nothing about what the step costs.
-        compiles = launched.compiles_at_t0 if launched.advanced else launched.compiles_at_begin
-        timed = timed and self._num_compiles() == compiles
+        timed = timed and self._num_compiles() == launched.compiles_at_begin
         if self.spec is not None and timed:
-            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds)
+            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds, overlapped)
         if self.step_trace is not None:
             accepted = sum(self.spec.metrics.num_accepted) - accepted if trace_accepted else 0
-            self._trace_step(launched, run_seconds, accepted, timed)
+            self._trace_step(launched, run_seconds, accepted, timed, overlapped)
         return outputs
 
     def _num_compiles(self) -> int:
         """Executables compiled so far, the target's and the proposer's."""
         return self.runner.num_compiles + (0 if self.spec is None else self.spec.proposer.num_compiles)
 
-    def _trace_step(self, launched: _Launched, run_seconds: float, accepted: int, timed: bool) -> None:
+    def _trace_step(self, launched: _Launched, run_seconds: float, accepted: int, timed: bool,
+                    overlapped: bool) -> None:
         """One landed step's record: when it was dispatched, its period (`run_seconds`, as `_land` times it for the
         controller; `timed`: the controller got it), its padded size, its mix of decodes and prompt tokens, and the
         drafts it verified and accepted."""
@@ -460,7 +459,7 @@ class LLMEngine:
             t=launched.t0, run_ms=1e3 * run_seconds, bucket=launched.steps[0][0].num_tokens, seqs=len(work),
             tokens=sum(w.num_tokens for w in work), decodes=len(decodes), drafts=sum(w.num_draft for w in work),
             prefill=sum(w.num_tokens for w in work) - sum(1 + w.num_draft for w in decodes), accepted=accepted,
-            waiting=len(self.scheduler.waiting), overlapped=launched.advanced, timed=timed))
+            waiting=len(self.scheduler.waiting), overlapped=overlapped, advanced=launched.advanced, timed=timed))
 
     def _microbatches(self, work: list[ScheduledWork]) -> list[list[ScheduledWork]]:
         """The step's work as the runner's micro-batches: one group, or under pipeline parallelism up to one per

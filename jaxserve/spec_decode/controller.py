@@ -1,6 +1,8 @@
 """`SpecController` chooses K for each step (and each request may cap it, 0 = no speculation): it keeps the measured
 cost of each step size (the target's step plus the proposer's device work for it -- draft-model passes, the EAGLE-3
-head; unmeasured sizes interpolated linearly in tokens) and the measured acceptance rate per draft
+head; unmeasured sizes interpolated linearly in tokens), apart for steps built after the one before landed and
+for steps built while it ran (async scheduling: K = 0 is priced as the latter, K > 0 as the former, since a step
+that verifies drafts cannot have the next one built behind it) and the measured acceptance rate per draft
 position (optimistic until 20 drafts were seen there, so each position gets tried). Given how many drafts each
 decoding sequence can have this step (what a host proposer such as n-gram actually found -- often nothing -- or
 the request's cap for a model proposer), it picks the K that maximises expected tokens per second,
@@ -80,7 +82,10 @@ class SpecController:
         self.adaptive = cfg.adaptive
         self.buckets = token_buckets
         self.ema = ema
-        self.cost: dict[int, float] = {}  # token bucket -> EMA seconds per step
+        # token bucket -> EMA seconds per step, in two tables: steps built after the step before them landed (every
+        # step that verifies drafts), and steps built while it still ran (async scheduling: the host's work hidden)
+        self.cost: dict[int, float] = {}
+        self.cost_overlapped: dict[int, float] = {}
         self.metrics = SpecMetrics(self.k_max)  # cumulative, reported
         self.recent_drafts = [0.0] * self.k_max  # decayed counts behind the controller's acceptance estimate
         self.recent_accepted = [0.0] * self.k_max
@@ -97,21 +102,19 @@ class SpecController:
             self.recent_drafts[i] = ACCEPT_DECAY * self.recent_drafts[i] + 1
             self.recent_accepted[i] = ACCEPT_DECAY * self.recent_accepted[i] + (i < num_accepted)
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
+    def record_step(self, num_tokens: int, seconds: float, overlapped: bool = False) -> None:
+        """A step's period; `overlapped`: the step was built while the one before it ran (async scheduling)."""
+        table = self.cost_overlapped if overlapped else self.cost
         b = self._bucket(num_tokens)
-        old = self.cost.get(b)
-        self.cost[b] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        old = table.get(b)
+        table[b] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
 
-    def _cost(self, num_tokens: int) -> float | None:
-        """Seconds per step of `num_tokens` tokens: measured for its bucket, else linear in tokens through the two
-        nearest measured buckets (prefill steps measure large buckets for free); None if fewer than two are known."""
+    def _cost(self, num_tokens: int, overlapped: bool = False) -> float | None:
+        """Seconds per step of `num_tokens` tokens, built after the step before it landed or, `overlapped`, while
+        it ran (from that table if it can tell, else from the other). None if neither can tell."""
         b = self._bucket(num_tokens)
-        if b in self.cost:
-            return self.cost[b]
-        if len(self.cost) < 2:
-            return None
-        (b0, c0), (b1, c1) = sorted(sorted(self.cost.items(), key=lambda kv: abs(kv[0] - b))[:2])
-        return max(c0 + (c1 - c0) * (b - b0) / (b1 - b0), min(c0, c1))
+        tables = (self.cost_overlapped, self.cost) if overlapped else (self.cost, self.cost_overlapped)
+        return next((c for t in tables if (c := _estimate(t, b)) is not None), None)
 
     def choose_k(self, base_tokens: int, draft_lens: list[int], optimistic: bool = False,
                  room: int | None = None) -> int:
@@ -138,8 +141,8 @@ class SpecController:
             survive *= a / d if d >= MIN_MEASURED else 1.0
             gain.append(gain[-1] + survive)
         values = []  # expected tokens per second of each K
-        for k in range(k_top + 1):
-            cost = self._cost(base_tokens + sum(min(k, L) for L in draft_lens))
+        for k in range(k_top + 1):  # a step without drafts overlaps with the next one; one with drafts cannot
+            cost = self._cost(base_tokens + sum(min(k, L) for L in draft_lens), overlapped=k == 0)
             if cost is None:  # nothing to estimate from yet: try it
                 return k_top if optimistic else k
             values.append((len(draft_lens) + sum(gain[min(k, L)] for L in draft_lens)) / cost)
@@ -149,3 +152,14 @@ class SpecController:
             if values[runner_up] >= (1 - EXPLORE_MAX_LOSS) * values[best_k]:
                 return runner_up
         return best_k
+
+
+def _estimate(cost: dict[int, float], bucket: int) -> float | None:
+    """A bucket's step time from a cost table: measured, else linear in tokens through the two nearest measured
+    buckets (prefill steps measure large buckets for free); None if fewer than two are known."""
+    if bucket in cost:
+        return cost[bucket]
+    if len(cost) < 2:
+        return None
+    (b0, c0), (b1, c1) = sorted(sorted(cost.items(), key=lambda kv: abs(kv[0] - bucket))[:2])
+    return max(c0 + (c1 - c0) * (bucket - b0) / (b1 - b0), min(c0, c1))

@@ -10,7 +10,9 @@ The engine calls the same four hooks whatever the method, so it has no per-metho
 The engine times each step's whole period (proposing, scheduling, building, the device step, processing its
 outputs, an EAGLE-3 head's drafting; or, for a step that overlapped the one before, the time between their
 landings) and hands it to `record_step`, so the controller weighs a step size by what it really costs; a period
-that saw a compile is not handed over.
+that saw a compile is not handed over. The controller prices the two kinds of step apart: a step that verifies
+drafts is always built after the one before it landed, while one without drafts can have the next built behind it
+(async scheduling), which hides the host's work; pricing both alike undercharged speculation under load.
 """
 
 from __future__ import annotations
@@ -146,9 +148,10 @@ class Speculator:
         caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
         return (*self._step_tokens(running, waiting), caps)
 
-    def record_step(self, bucket, num_tokens: int, seconds: float) -> None:
-        """A step's period (the engine's timing: see the module docstring), for the controller's cost model."""
+    def record_step(self, bucket, num_tokens: int, seconds: float, overlapped: bool = False) -> None:
+        """A step's period (the engine's timing: see the module docstring), for the controller's cost model;
+        `overlapped`: the step was built while the one before it ran."""
         if bucket in self._timed_buckets:
-            self.controller.record_step(num_tokens, seconds)
+            self.controller.record_step(num_tokens, seconds, overlapped)
         else:  # a bucket's first run is an outlier (one-time allocations), and a pessimistic first sample would
             self._timed_buckets.add(bucket)  # never be revisited: the controller would avoid that size
