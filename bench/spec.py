@@ -91,6 +91,9 @@ def _timed_generate(llm, prompts, lens, one_at_a_time: bool, opt_out: bool = Fal
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos,
                              num_speculative_tokens=k) for n in lens]
     items = [{"prompt_token_ids": p} for p in prompts]
+    # every run computes its prompts: rounds repeat them, and a cache hit would favour the engine that reuses more
+    # (an EAGLE-3 engine recomputes each hit's last page)
+    llm.reset_prefix_cache()
     t0 = time.perf_counter()
     if one_at_a_time:
         outs = [llm.generate([it], [sp], use_tqdm=False)[0] for it, sp in zip(items, params)]

@@ -194,6 +194,17 @@ class BlockManager:
         self.num_prefix_queries += num_tokens
         self.num_prefix_hits += num_hit
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix: cached pages become free. Only while no sequence holds a page (a running
+        sequence's registered pages stay valid for it); otherwise False and nothing changes."""
+        if self._ref:
+            return False
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._by_hash.clear()
+        self._page_key.clear()
+        return True
+
     def register_computed(self, seq: Sequence) -> None:
         """Register `seq`'s newly full, computed pages so later sequences can reuse them."""
         if not self.enable_prefix_caching:

@@ -118,6 +118,10 @@ class DataParallelEngine:
                 self._owner.pop(o.request_id, None)
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's (`LLMEngine.reset_prefix_cache`); False if any still holds pages."""
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
     # ---- monitoring -----------------------------------------------------------------------------------------
 
     def get_stats(self) -> dict:

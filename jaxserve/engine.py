@@ -162,6 +162,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's name), e.g. so that a benchmark's repeated prompts are computed again;
+        False, and nothing forgotten, while requests hold pages."""
+        return self.block_manager.reset_prefix_cache()
+
     def get_stats(self) -> dict[str, float | list[int]]:
         """A read-only snapshot for monitoring (/metrics); cheap, and safe to call from another thread."""
         bm = self.block_manager

@@ -38,6 +38,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (as vLLM's `LLM.reset_prefix_cache`): the next prompts are computed in
+        full. Returns False, forgetting nothing, while requests still hold KV pages."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

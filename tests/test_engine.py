@@ -273,6 +273,16 @@ def test_prefix_caching_same_outputs_and_hits(tiny):
         if caching:
             assert bm.num_prefix_hits >= 5 * 24  # every later prompt reuses the 24-token prefix (6 pages)
             assert 0 < bm.prefix_hit_rate < 1
+            llm.llm_engine.add_request("holder", {"prompt_token_ids": prompts[0]}, GREEDY)
+            llm.llm_engine.step()  # scheduled: it holds pages
+            hits = bm.num_prefix_hits
+            assert not llm.reset_prefix_cache()  # a request holds pages: nothing is forgotten
+            assert bm.num_cached_prefix_tokens(prompts[1]) >= 24
+            llm.llm_engine.abort_request("holder")
+            assert llm.reset_prefix_cache() and bm.num_cached_pages == 0
+            assert bm.num_cached_prefix_tokens(prompts[1]) == 0
+            again = llm.generate({"prompt_token_ids": prompts[1]}, GREEDY, use_tqdm=False)
+            assert bm.num_prefix_hits == hits and again[0].outputs[0].token_ids == outs[True][1]
         else:
             assert bm.num_prefix_hits == 0
         bm.check()
