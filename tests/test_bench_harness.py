@@ -165,10 +165,16 @@ def test_spec_shared_engine_baseline_opts_every_request_out():
             self.calls.append([(p.num_speculative_tokens, p.ignore_eos) for p in params])
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * p.max_tokens)]) for p in params]
 
+        def reset_prefix_cache(self):  # before every run: rounds repeat their prompts, and must not hit the cache
+            self.calls.append("reset")
+            return True
+
     llm = FakeLLM()
     res = spec.measure(llm, llm, "fake", [[1, 2], [3]], [4, 5], one_at_a_time=False, rounds=2, ignore_eos=False)
     assert res["mismatched_requests"] == 0 and res["acceptance_rate"] == 0.5
-    warm, timed = llm.calls[:2], llm.calls[2:]
+    assert llm.calls[::2] == ["reset"] * 6  # every run, warm-ups included, starts with an empty prefix cache
+    runs = llm.calls[1::2]
+    warm, timed = runs[:2], runs[2:]
     assert warm == [[(0, True)], [(None, True)]]  # warm-up of each configuration
     assert timed == [[(0, False)] * 2, [(None, False)] * 2, [(None, False)] * 2,
                      [(0, False)] * 2]  # none spec, spec none
@@ -176,7 +182,7 @@ def test_spec_shared_engine_baseline_opts_every_request_out():
     assert res["speedup"] == pytest.approx(sum(res["round_speedups"]) / 2)  # the median of two
     other = FakeLLM()
     spec.measure(other, llm, "fake", [[1, 2]], [3], one_at_a_time=True, rounds=1)
-    assert other.calls == [[(None, True)], [(None, True)]]  # a separate baseline engine: nothing to opt out
+    assert other.calls[1::2] == [[(None, True)], [(None, True)]]  # a separate baseline engine: nothing to opt out
 
 
 def test_missing_peers_are_skipped_with_a_reason(monkeypatch, tmp_path):
