@@ -235,8 +235,8 @@ class LLMEngine:
     # Speculation: drafts come from the landed tokens (n-gram, draft model) or from the head that runs when the step
     # before lands (EAGLE-3), so a step that verifies drafts is built after the one before it lands, and lands
     # before the next is built. A step that does not speculate overlaps like any other: with a step in flight, the
-    # next one is built at once, without drafts, when the controller would not speculate with the drafts the
-    # sequences are likely to have (`Speculator.skip_proposal`: a loaded server); otherwise the step in flight lands
+    # next one is built at once, without drafts, when the controller would not speculate even if every sequence
+    # had its full cap of drafts (`Speculator.skip_proposal`: a loaded server); otherwise the step in flight lands
     # first and the next one proposes from its tokens (an EAGLE-3 head catches up on it and drafts when it lands).
     # For a step landing with the next in flight, an EAGLE-3 head only catches up (no drafts: the next step is
     # built), or, when the controller would not speculate, is off for its sequences as in the synchronous engine

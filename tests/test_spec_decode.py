@@ -359,63 +359,6 @@ def test_drafts_do_not_take_the_budget_of_prompts_that_can_be_scheduled():
     assert drafts(engine_cfg(max_num_seqs=2), [seq(9, range(3, 43), 0)]) == ([3, 3], False)
 
 
-def test_skip_proposal_predicts_lookup_drafts_from_the_recent_lookups():
-    """With a step in flight, the next one is built at once, without drafts, when the controller would not speculate
-    with the drafts the sequences are likely to have. For n-gram that is what the recent lookups found (here 2 of
-    16 sequences have a match), not every sequence's full cap: deciding on full caps waited for the step in flight
-    to land, and the lookups then found too little to verify. The prediction is refreshed: every LOOKUP_EVERY-th step
-    looks again. A model proposer's drafts are made to order: its caps count."""
-    from jaxserve.config import EngineConfig
-    from jaxserve.sequence import Sequence
-    from jaxserve.spec_decode.proposer import Proposer
-    from jaxserve.spec_decode.speculator import LOOKUP_EVERY, Speculator
-
-    cfg = EngineConfig.from_dict(dict(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=256,
-                                      speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                          "prompt_lookup_min": 2, "prompt_lookup_max": 3}), "test")
-
-    def speculator(proposer):
-        spec = Speculator(cfg, proposer)
-        for b in cfg.token_buckets:  # 5 ms + 2 ms a token, every draft accepted: 16 x 3 drafts pay (1.11x), 2 x 3
-            spec.controller.record_step(b, 0.005 + 0.002 * b)  # do not (0.74x: not even worth exploring)
-            spec.controller.record_step(b, 0.005 + 0.002 * b, overlapped=True)
-        for _ in range(40):
-            spec.controller.record(3, 3)
-        return spec
-
-    def decoding(i, prompt):
-        s = Sequence(i, str(i), 0, list(prompt), SamplingParams(max_tokens=100), 100, 0.0)
-        s.num_computed_tokens = len(prompt) - 1
-        return s
-
-    repeating = [decoding(i, [7, 8, 9] * 5) for i in range(16)]  # the lookup finds 3 drafts
-    distinct = [decoding(i, range(100 + 20 * i, 115 + 20 * i)) for i in range(16)]  # ... none
-    mixed = repeating[:2] + distinct[2:]
-
-    spec = speculator(NgramProposer(2, 3))
-    assert not spec.skip_proposal(mixed)  # no lookup yet: full caps, and 16 x 3 drafts would pay
-    spec.propose(mixed)
-    assert [len(s.spec_token_ids) for s in mixed] == [0] * 16  # 2 x 3 drafts found: not worth verifying
-    assert sorted(spec._found) == [0] * 14 + [3] * 2
-    assert spec.skip_proposal(mixed)  # predicted from those lookups: build the next step now
-    assert all(spec.skip_proposal(mixed) for _ in range(LOOKUP_EVERY - 2))
-    assert not spec.skip_proposal(mixed)  # the prediction is getting old: look again
-    assert spec._likely_drafts([3] * 8) == [0] * 7 + [3]  # the quantiles of 14 misses and 2 hits
-
-    spec = speculator(NgramProposer(2, 3))
-    spec.propose(repeating)
-    assert [len(s.spec_token_ids) for s in repeating] == [3] * 16
-    assert not spec.skip_proposal(repeating)  # the lookups find drafts: land the step in flight, then propose
-
-    class MadeToOrder(Proposer):
-        def draft(self, seq, k):
-            return None  # placeholders, filled after scheduling
-
-    spec = speculator(MadeToOrder())
-    spec.propose(mixed)
-    assert not spec._found and not spec.skip_proposal(mixed)
-
-
 # ---- the engine ----------------------------------------------------------------------------------------------------
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

@@ -15,8 +15,6 @@ from jaxserve.spec_decode.proposer import Proposer
 class NgramProposer(Proposer):
     """Drafts are known before scheduling (a host lookup, no pages needed); no state to roll back."""
 
-    drafts_by_lookup = True
-
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 

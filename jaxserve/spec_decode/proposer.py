@@ -17,11 +17,6 @@ class Proposer(Protocol):
     # page pairs it with a token the new sequence need not share): the scheduler reuses this many pages fewer.
     prefix_holdback_pages: int = 0
 
-    # Drafts come from a lookup that often finds fewer than asked, or none (n-gram): whether to build the next step
-    # without proposing, the speculator predicts its drafts from the recent lookups. False: drafts are made to order
-    # (a draft model, an EAGLE-3 head), each sequence's full cap.
-    drafts_by_lookup: bool = False
-
     # Executables the proposer has compiled (the engine does not time a step whose period saw a compile).
     num_compiles: int = 0
 

@@ -17,7 +17,6 @@ drafts is always built after the one before it landed, while one without drafts 
 
 from __future__ import annotations
 
-import collections
 import itertools
 
 from jaxserve.config import EngineConfig
@@ -26,9 +25,6 @@ from jaxserve.sequence import Sequence
 from jaxserve.spec_decode.controller import SpecController
 from jaxserve.spec_decode.proposer import Proposer
 from jaxserve.spec_decode.rejection import NO_DRAFT
-
-LOOKUP_WINDOW = 256  # recent lookups (one per sequence proposed for) behind the prediction of a lookup's drafts
-LOOKUP_EVERY = 16  # ... and after this many steps built without proposing, one proposes anyway, to look again
 
 
 def _no_drafts(seq: Sequence) -> int:
@@ -41,9 +37,6 @@ class Speculator:
         self.proposer = proposer
         self.controller = SpecController(cfg.speculative_config, cfg.token_buckets)
         self._timed_buckets: set = set()  # buckets whose step time the controller has seen once
-        # drafts found by the recent lookups of a `drafts_by_lookup` proposer (n-gram), one per sequence asked
-        self._found: collections.deque[int] = collections.deque(maxlen=LOOKUP_WINDOW)
-        self._skipped = 0  # steps built without proposing since the last proposal
 
     @property
     def metrics(self):
@@ -79,9 +72,6 @@ class Speculator:
         base, room = self._step_tokens(running, waiting)
         caps = [self.draft_cap(seq) for seq in decoding]
         drafts = [self.proposer.draft(seq, k) if k else [] for seq, k in zip(decoding, caps)]
-        self._skipped = 0
-        if self.proposer.drafts_by_lookup:
-            self._found.extend(len(d) for d, k in zip(drafts, caps) if k)
         caps = [k if d is None else len(d) for k, d in zip(caps, drafts)]
         for seq in running:
             seq.spec_token_ids = []
@@ -113,29 +103,12 @@ class Speculator:
     def skip_proposal(self, running: list[Sequence], waiting: list[Sequence] = ()) -> bool:
         """Async scheduling, with a step in flight: True if the next step will not speculate, so it can be built
         now, without drafts (`running` holds tokens still being sampled, which a proposer cannot see). The
-        controller decides with the drafts each decoding sequence is likely to have: its cap, or for a
-        `drafts_by_lookup` proposer what the recent lookups found (`_likely_drafts`). If those lose to no
-        speculation (a loaded server), so would the drafts `propose` finds. Deciding instead as if every sequence
-        had its full cap of n-gram drafts (the most speculation could gain) waited for the step in flight to land
-        whenever that bound cleared the bar, and the lookups then mostly found too little to verify: a plain step
-        built after a landing, its host work no longer hidden (85 such steps in a run of 32 chat requests at 16
-        seats). A prediction from lookups is only as fresh as they are: every `LOOKUP_EVERY`-th step proposes
-        anyway if full caps would speculate (so when the text turns repetitive, n-gram comes back on). A skipped
-        step counts as the controller's decision (its exploring goes on while steps overlap); otherwise `propose`
-        decides."""
+        controller decides as if every decoding sequence had its full cap of drafts, the most speculation could
+        gain: if even that loses to no speculation (a loaded server), real drafts would too. A skipped step counts
+        as the controller's decision (its exploring goes on while steps overlap); otherwise `propose` decides."""
         base, room, caps = self._next_step(running, waiting)
-        if not caps:
-            return self._skip(running)
-        likely = self._likely_drafts(caps) if self.proposer.drafts_by_lookup and self._found else caps
-        if self.controller.choose_k(base, likely, optimistic=True, room=room) > 0:
+        if caps and self.controller.choose_k(base, caps, optimistic=True, room=room) > 0:
             return False
-        if (likely is not caps and self._skipped >= LOOKUP_EVERY - 1
-                and self.controller.choose_k(base, caps, optimistic=True, room=room) > 0):
-            return False  # look again
-        return self._skip(running)
-
-    def _skip(self, running: list[Sequence]) -> bool:
-        self._skipped += 1
         self.controller.num_decisions += 1
         for seq in running:
             seq.spec_token_ids = []
@@ -174,13 +147,6 @@ class Speculator:
         running = [s for s in running if not s.is_finished]
         caps = [c for s in running if s.num_uncomputed_tokens == 1 and (c := self.draft_cap(s)) > 0]
         return (*self._step_tokens(running, waiting), caps)
-
-    def _likely_drafts(self, caps: list[int]) -> list[int]:
-        """Drafts that lookups for sequences with these caps are likely to find: the recent lookups' found counts
-        at n evenly spaced quantiles (so a step of n sequences looks like the recent ones: e.g. 3 of 16 with
-        drafts), paired in order with the sorted caps, each at most its cap."""
-        found, n = sorted(self._found), len(caps)
-        return [min(c, found[(2 * i + 1) * len(found) // (2 * n)]) for i, c in enumerate(sorted(caps))]
 
     def record_step(self, bucket, num_tokens: int, seconds: float, overlapped: bool = False) -> None:
         """A step's period (the engine's timing: see the module docstring), for the controller's cost model;
