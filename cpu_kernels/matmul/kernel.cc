@@ -48,10 +48,14 @@
 // interleaved runs each (as often slower as faster):
 //   * software prefetch (_mm_prefetch T0 of each quad's / k row's lines 256, 512 or 1024 bytes ahead in the panel
 //     stream): the stream is sequential, the hardware prefetchers already follow it;
-//   * splitting M <= 4 products into 2, 4 or 8 tasks whatever their size, or from 300 KB (the flop heuristic keeps
-//     a 576 x 576 or 576 x 960 weight on the calling thread): single-thread products reach 13-20 GB/s, the split
-//     large ones 20-35 GB/s, but at 0.2-1 MB per call the hand-off to a pool thread costs what the second core's
-//     bandwidth saves.
+//   * (with the caller then sleeping on a condition variable until the helpers were done) splitting M <= 4
+//     products into 2, 4 or 8 tasks whatever their size: at 0.2-1 MB per call the wake-up cost what the second
+//     core's bandwidth saved. With the caller spinning on the `done` counter instead (kept, `Shared::Wait`),
+//     splitting every M <= 4 product pays: cold M = 1 bf16 576 x 960 108 -> 67 us, 576 x 576 69 -> 45 us, int8
+//     576 x 576 34 -> 25 us; batch-1 decode of the default model (fresh processes alternating, 2 rounds) gguf ~255
+//     -> ~300 tok/s, bf16 ~47 -> ~72, int8 ~185 -> ~230, identical tokens. A dedicated helper thread of our own that
+//     spun between products (instead of XLA's pool) measured slower end to end (~200 tok/s gguf): it took the
+//     second core from the host thread and XLA's own workers.
 //
 // Targets (inputs; the output is y f32[M, N], N its second dimension):
 //   JaxserveMatmul      x f32[M, K], w f32[P, K, 32]
@@ -65,11 +69,10 @@
 #include <array>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -87,6 +90,11 @@ namespace {
 constexpr int64_t kNr = 32;     // columns per packed panel
 constexpr int64_t kBlock = 32;  // k per activation quantization block (integer formats)
 constexpr int64_t kTargetTaskFlops = int64_t{1} << 21;  // ~25 us of work: enough to amortize a task hand-out
+// Products of at most kStreamRows rows (decode) are bound by streaming the weight: split over every core whatever
+// their size, kStreamTasksPerWorker tasks per core.
+constexpr int64_t kStreamRows = 4, kStreamTasksPerWorker = 4;
+// Polls of `done` (with a pause each, ~40 ns) before a waiting caller starts yielding its core.
+constexpr int64_t kSpinPolls = int64_t{1} << 12;
 
 struct Problem {
   const float* x;       // f32[M, K]
@@ -528,8 +536,6 @@ struct Shared {
   PanelsFn panels_fn;
   int64_t panels_per_task = 1, tasks = 0;
   std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
 
   void Work() {
     int64_t finished = 0;
@@ -538,9 +544,21 @@ struct Shared {
       panels_fn(p, begin, std::min(p.panels, begin + panels_per_task));
       ++finished;
     }
-    if (finished && done.fetch_add(finished) + finished == tasks) {
-      std::lock_guard<std::mutex> lock(mu);
-      all_done.notify_all();
+    if (finished) done.fetch_add(finished, std::memory_order_release);
+  }
+
+  // Spins until every task has run. The caller only ever waits for tasks a helper has taken (it runs the rest
+  // itself), so the wait is at most one task's time; past kSpinPolls polls it yields its core, in case the helper
+  // was descheduled.
+  void Wait() const {
+    for (int64_t polls = 0; done.load(std::memory_order_acquire) != tasks; ++polls) {
+      if (polls < kSpinPolls) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
     }
   }
 };
@@ -592,25 +610,27 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int6
   auto shared = std::make_shared<Shared>();
   shared->p = p;
   shared->panels_fn = panels_fn;
-  const int64_t panel_flops = (mac_flops * p.m + widen_flops) * p.k * kNr;
-  // Tasks of about kTargetTaskFlops: a small product is one task on the calling thread (no hand-off at all). A
-  // larger one gets a multiple of `workers` near-equal tasks, run by the caller and workers - 1 helpers (one thread
-  // per pool thread: 3 tasks on 2 cores, or 3 threads on 2 cores, leave one core idle for a third of the time).
-  int64_t per = std::max<int64_t>(1, (kTargetTaskFlops + panel_flops - 1) / panel_flops);
-  int64_t tasks = (p.panels + per - 1) / per;
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  if (tasks > 1) {
-    tasks = (tasks + workers - 1) / workers * workers;
-    per = (p.panels + tasks - 1) / tasks;
+  int64_t tasks;
+  if (p.m <= kStreamRows) {
+    // Bound by the weight's bytes: every core streams a share, whatever the size (a few tasks per core, so a helper
+    // that starts late costs little).
+    tasks = workers > 1 ? std::min<int64_t>(p.panels, kStreamTasksPerWorker * workers) : 1;
+  } else {
+    // Tasks of about kTargetTaskFlops: a small product is one task on the calling thread. A larger one gets a
+    // multiple of `workers` near-equal tasks, run by the caller and workers - 1 helpers (one thread per pool
+    // thread: 3 tasks on 2 cores, or 3 threads on 2 cores, leave one core idle for a third of the time).
+    const int64_t panel_flops = (mac_flops * p.m + widen_flops) * p.k * kNr;
+    const int64_t per = std::max<int64_t>(1, (kTargetTaskFlops + panel_flops - 1) / panel_flops);
     tasks = (p.panels + per - 1) / per;
+    if (tasks > 1) tasks = (tasks + workers - 1) / workers * workers;
   }
-  shared->panels_per_task = per;
-  shared->tasks = tasks;
-  const int64_t helpers = std::min<int64_t>(workers - 1, tasks - 1);
+  shared->panels_per_task = (p.panels + tasks - 1) / tasks;
+  shared->tasks = (p.panels + shared->panels_per_task - 1) / shared->panels_per_task;
+  const int64_t helpers = std::min<int64_t>(workers - 1, shared->tasks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
   shared->Work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->all_done.wait(lock, [&] { return shared->done.load() == shared->tasks; });
+  shared->Wait();
   return ffi::Error::Success();
 }
 
