@@ -51,11 +51,13 @@
 //   * (with the caller then sleeping on a condition variable until the helpers were done) splitting M <= 4
 //     products into 2, 4 or 8 tasks whatever their size: at 0.2-1 MB per call the wake-up cost what the second
 //     core's bandwidth saved. With the caller spinning on the `done` counter instead (kept, `Shared::Wait`),
-//     splitting every M <= 4 product pays: cold M = 1 bf16 576 x 960 108 -> 67 us, 576 x 576 69 -> 45 us, int8
-//     576 x 576 34 -> 25 us; batch-1 decode of the default model (fresh processes alternating, 2 rounds) gguf ~255
-//     -> ~300 tok/s, bf16 ~47 -> ~72, int8 ~185 -> ~230, identical tokens. A dedicated helper thread of our own that
-//     spun between products (instead of XLA's pool) measured slower end to end (~200 tok/s gguf): it took the
-//     second core from the host thread and XLA's own workers.
+//     splitting every M <= 4 product pays (medians, one run each, 2026-12-05, a VM with a 300 MiB L3): cold M = 1
+//     bf16 576 x 960 106 -> 57 us, 576 x 3072 301 -> 156 us, int8 576 x 576 34 -> 18 us, int4 576 x 576 30 -> 17
+//     us; batch-1 decode of the default model (fresh processes alternating, 2 rounds) gguf 1.14-1.30x, bf16 1.75x,
+//     int8 1.10-1.35x, batch 16 unchanged within noise, identical tokens. A helper thread of our own that spun
+//     between products (instead of XLA's pool) measured slower end to end (gguf batch 1 ~200 vs ~300 tok/s): it
+//     took the second core from the host thread and XLA's own workers. The attention kernel's caller spinning
+//     likewise measured no gain (3 alternating rounds, batch 1 and 16), so it still waits on a condition variable.
 //
 // Targets (inputs; the output is y f32[M, N], N its second dimension):
 //   JaxserveMatmul      x f32[M, K], w f32[P, K, 32]
