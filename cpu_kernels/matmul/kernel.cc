@@ -54,7 +54,8 @@
 //     splitting every M <= 4 product pays (medians, one run each, 2026-12-05, a VM with a 300 MiB L3): cold M = 1
 //     bf16 576 x 960 106 -> 57 us, 576 x 3072 301 -> 156 us, int8 576 x 576 34 -> 18 us, int4 576 x 576 30 -> 17
 //     us; batch-1 decode of the default model (fresh processes alternating, 2 rounds) gguf 1.14-1.30x, bf16 1.75x,
-//     int8 1.10-1.35x, batch 16 unchanged within noise, identical tokens. A helper thread of our own that spun
+//     int8 1.10-1.35x, identical tokens; `python -m bench ab` (docs/benchmarks/ab_split.md, 3 rounds) batch 1
+//     1.15x, batch 16 0.99x (products of more than 4 rows wait as before). A helper thread of our own that spun
 //     between products (instead of XLA's pool) measured slower end to end (gguf batch 1 ~200 vs ~300 tok/s): it
 //     took the second core from the host thread and XLA's own workers. The attention kernel's caller spinning
 //     likewise measured no gain (3 alternating rounds, batch 1 and 16), so it still waits on a condition variable.
@@ -71,9 +72,11 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -538,6 +541,8 @@ struct Shared {
   PanelsFn panels_fn;
   int64_t panels_per_task = 1, tasks = 0;
   std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
 
   void Work() {
     int64_t finished = 0;
@@ -546,13 +551,23 @@ struct Shared {
       panels_fn(p, begin, std::min(p.panels, begin + panels_per_task));
       ++finished;
     }
-    if (finished) done.fetch_add(finished, std::memory_order_release);
+    if (finished && done.fetch_add(finished, std::memory_order_acq_rel) + finished == tasks) {
+      std::lock_guard<std::mutex> lock(mu);
+      all_done.notify_all();
+    }
   }
 
-  // Spins until every task has run. The caller only ever waits for tasks a helper has taken (it runs the rest
-  // itself), so the wait is at most one task's time; past kSpinPolls polls it yields its core, in case the helper
-  // was descheduled.
-  void Wait() const {
+  // Until every task has run. `spin` (short products): polls the counter, as a sleep's wake-up costs more than such
+  // a product's second half saves; the caller only waits for tasks a helper has taken (it runs the rest itself), so
+  // at most one task's time, and past kSpinPolls polls it yields its core, in case that helper was descheduled.
+  // Otherwise it sleeps, as before: a long wait spun would take the core from the host thread building the next
+  // step (batch-16 decode spinning measured 1.05x, then 0.90x: within this VM's noise, so not changed).
+  void Wait(bool spin) {
+    if (!spin) {
+      std::unique_lock<std::mutex> lock(mu);
+      all_done.wait(lock, [&] { return done.load() == tasks; });
+      return;
+    }
     for (int64_t polls = 0; done.load(std::memory_order_acquire) != tasks; ++polls) {
       if (polls < kSpinPolls) {
 #if defined(__x86_64__)
@@ -632,7 +647,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int6
   const int64_t helpers = std::min<int64_t>(workers - 1, shared->tasks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
   shared->Work();
-  shared->Wait();
+  shared->Wait(/*spin=*/p.m <= kStreamRows);
   return ffi::Error::Success();
 }
 
