@@ -628,8 +628,9 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int6
   shared->p = p;
   shared->panels_fn = panels_fn;
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const bool stream = p.m <= kStreamRows;
   int64_t tasks;
-  if (p.m <= kStreamRows) {
+  if (stream) {
     // Bound by the weight's bytes: every core streams a share, whatever the size (a few tasks per core, so a helper
     // that starts late costs little).
     tasks = workers > 1 ? std::min<int64_t>(p.panels, kStreamTasksPerWorker * workers) : 1;
@@ -647,7 +648,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int6
   const int64_t helpers = std::min<int64_t>(workers - 1, shared->tasks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Work(); });
   shared->Work();
-  shared->Wait(/*spin=*/p.m <= kStreamRows);
+  shared->Wait(/*spin=*/stream);
   return ffi::Error::Success();
 }
 
