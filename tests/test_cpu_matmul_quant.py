@@ -435,3 +435,42 @@ def test_portable_path_equals_avx512_path(tmp_path):
             np.testing.assert_array_equal(np.asarray(jax.jit(portable)(x, packed)),
                                           np.asarray(jax.jit(native.matmul)(x, packed)),
                                           err_msg=f"{fmt} K={K} G={G} zeros={zeros} f16={f16} M={M}")
+
+
+_BF16_PATH_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, ml_dtypes, numpy as np
+from cpu_kernels import matmul as native
+out = {}
+for K in (7, 128, 576):
+    w = (np.random.default_rng(K).standard_normal((K, 70)) / np.sqrt(K)).astype(ml_dtypes.bfloat16)
+    packed = native.pack(w)
+    for M in (1, 2, 4, 5, 13, 16, 40):
+        x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)).astype(np.float32))
+        out[f"{K},{M}"] = np.asarray(jax.jit(native.matmul)(x, packed))
+np.savez(sys.argv[1], **out)
+"""
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(), reason="needs AVX512_BF16: the two bf16 paths")
+def test_bf16_fma_path_equals_dpbf16_path(tmp_path):
+    """The bf16 format's two ways to multiply (`Bf16AsFma` in kernel.cc: vdpbf16ps, or two FMAs per k pair on
+    widened weights, chosen per CPU and row count) give the same bits at every row count and K, odd K included: so
+    a row's result does not depend on which one its batch's size picked. Each path forced for a whole process with
+    JAXSERVE_MATMUL_BF16, then the default choice."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bf16_paths.py"
+    script.write_text(_BF16_PATH_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outs = {}
+    for choice in ("fma", "dpbf16", ""):
+        path = tmp_path / f"out_{choice or 'default'}.npz"
+        env = dict(os.environ, JAXSERVE_MATMUL_BF16=choice, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+        subprocess.run([sys.executable, str(script), str(path)], check=True, env=env, cwd=root, timeout=600)
+        outs[choice] = dict(np.load(path))
+    assert len(outs["fma"]) == 21
+    for key, ref in outs["dpbf16"].items():
+        np.testing.assert_array_equal(outs["fma"][key], ref, err_msg=f"fma vs dpbf16, K,M = {key}")
+        np.testing.assert_array_equal(outs[""][key], ref, err_msg=f"default vs dpbf16, K,M = {key}")

@@ -71,9 +71,11 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -116,6 +118,8 @@ struct Problem {
   int64_t sub = kBlock;
   // bf16 format: x rounded to bf16 (`RoundRowsBf16`), two consecutive k per 32-bit word: u32[M, ceil(K / 2)].
   const uint32_t* xb = nullptr;
+  // bf16 format, the FMA path (`Bf16Fma`): the same rounded x widened back to f32, f32[M, K].
+  const float* xw = nullptr;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -145,6 +149,8 @@ struct Bf16 {  // a bf16 is the top half of an f32: shifting its bits left by 16
     return f;
   }
 };
+// bf16 weights in the same panels, multiplied by two f32 FMAs per k pair instead of one vdpbf16ps (`Bf16AsFma`).
+struct Bf16Fma : Bf16 {};
 
 // x rounded to bf16 for the bf16 format: to nearest even, NaN stays a (quiet) NaN, and zero or subnormal inputs
 // become a signed zero (vdpbf16ps reads subnormal inputs as zero; flushing here makes every path agree). Integer
@@ -170,7 +176,25 @@ void RoundRowsBf16(const float* x, int64_t m, int64_t k, uint32_t* xb) {
   }
 }
 
+// The same rounding, each value widened back to f32: x [M, K] -> xw f32[M, K].
+void RoundRowsBf16F32(const float* x, int64_t m, int64_t k, float* xw) {
+  for (int64_t i = 0; i < m * k; ++i) xw[i] = Bf16::Widen(RoundToBf16(x[i]));
+}
+
 #if defined(__AVX512F__)
+// Software prefetch of the weight stream, kPrefetchBytes ahead of `at` (two cache lines: one k pair of a bf16 panel).
+// Past the end of the weight it is a hint that does nothing. Measured on an Intel Xeon VM (2026-12-05, bf16, one
+// step's linear maps, fresh processes alternating): M = 1 / 4 / 16 / 64 rows 19-20 / 25 / 40-43 / 108-123 ms without,
+// 14-18 / 16-18 / 28-36 / 80-112 with, 2-16 KB ahead all alike; the hardware prefetchers alone left the loads of a
+// panel's first row block stalled (perf: ~46% of the block's samples on its two weight loads at M = 16).
+constexpr int64_t kPrefetchBytes = 4096;
+template <int64_t kBytes>
+inline void Prefetch(const void* at) {
+  const char* line = static_cast<const char*>(at) + kPrefetchBytes;
+  for (int64_t i = 0; i < kBytes; i += 64) _mm_prefetch(line + i, _MM_HINT_T0);
+}
+inline void Prefetch2(const void* at) { Prefetch<128>(at); }
+
 // y[m0 .. m0 + R, the panel's columns] = the accumulators (columns 0-15, 16-31); masked past N in the last panel.
 template <int R>
 inline void StoreRows(const Problem& p, int64_t panel, int64_t m0, const __m512* acc0, const __m512* acc1) {
@@ -193,6 +217,7 @@ void Block(const Problem& p, int64_t panel, int64_t m0) {
   const float* x = p.x + m0 * p.k;
   for (int64_t k = 0; k < p.k; ++k, w += Fmt::kRow) {
     __m512 b0, b1;
+    Prefetch<Fmt::kRow * sizeof(typename Fmt::T)>(w);
     Fmt::Widen(w, b0, b1);
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * p.k + k]);
@@ -242,6 +267,20 @@ inline __m512 PairFma(__m512 acc, __m512i x2, __m512i w2) {  // the same two FMA
 }
 #endif
 
+// An odd K's last k row (after the pairs, at w): one FMA per row with the widened weights; x_of(r) is row r's x.
+template <int R, class XOf>
+inline void OddRow(const uint16_t* w, __m512* acc0, __m512* acc1, XOf x_of) {
+  const auto widen = [](const uint16_t* q) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)q)), 16));
+  };
+  const __m512 b0 = widen(w), b1 = widen(w + 16);
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(x_of(r));
+    acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
+    acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
+  }
+}
+
 template <int R>
 void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
   __m512 acc0[R], acc1[R];
@@ -250,6 +289,7 @@ void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
   const int64_t pairs = p.k / 2, words = (p.k + 1) / 2;
   const uint32_t* xb = p.xb + m0 * words;
   for (int64_t kq = 0; kq < pairs; ++kq, w += 2 * kNr) {
+    Prefetch2(w);
     const __m512i b0 = _mm512_loadu_si512(w), b1 = _mm512_loadu_si512(w + kNr);
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_set1_epi32(static_cast<int>(xb[r * words + kq]));
@@ -258,16 +298,38 @@ void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
     }
   }
   if (p.k % 2) {
-    const auto widen = [](const uint16_t* q) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)q)), 16));
-    };
-    const __m512 b0 = widen(w), b1 = widen(w + 16);
+    OddRow<R>(w, acc0, acc1, [&](int r) { return Bf16::Widen(static_cast<uint16_t>(xb[r * words + pairs])); });
+  }
+  StoreRows<R>(p, panel, m0, acc0, acc1);
+}
+
+// The bf16 panels with f32 FMAs (`Bf16Fma`): per k pair, the two weight vectors are widened once (4 vectors: the
+// pair's odd and even k, columns 0-15 and 16-31) for all R rows, then per row the two FMAs vdpbf16ps does, in its
+// order, on x's rounded values widened once per call (p.xw): the same bits. Two FMAs per pair and lane instead of
+// one vdpbf16ps, but where vdpbf16ps issues at a quarter of the FMA rate it does twice the work per cycle once the
+// widening is shared by enough rows (`Bf16AsFma`).
+template <int R>
+void WideBlock(const Problem& p, int64_t panel, int64_t m0) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const uint16_t* w = static_cast<const uint16_t*>(p.w) + panel * p.k * kNr;
+  const int64_t pairs = p.k / 2;
+  const float* x = p.xw + m0 * p.k;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kq = 0; kq < pairs; ++kq, w += 2 * kNr) {
+    Prefetch2(w);
+    const __m512i b0 = _mm512_loadu_si512(w), b1 = _mm512_loadu_si512(w + kNr);
+    const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(b0, high));
+    const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(b1, high));
+    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(b0, 16));
+    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16));
     for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(Bf16::Widen(static_cast<uint16_t>(xb[r * words + pairs])));
-      acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
+      const __m512 xo = _mm512_set1_ps(x[r * p.k + 2 * kq + 1]), xe = _mm512_set1_ps(x[r * p.k + 2 * kq]);
+      acc0[r] = _mm512_fmadd_ps(xe, even0, _mm512_fmadd_ps(xo, odd0, acc0[r]));
+      acc1[r] = _mm512_fmadd_ps(xe, even1, _mm512_fmadd_ps(xo, odd1, acc1[r]));
     }
   }
+  if (p.k % 2) OddRow<R>(w, acc0, acc1, [&](int r) { return x[r * p.k + pairs * 2]; });
   StoreRows<R>(p, panel, m0, acc0, acc1);
 }
 #else
@@ -414,6 +476,7 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
     const __m512 s0 = LoadScales(s), s1 = LoadScales(s + 16);
     __m512 z0, z1;
     if constexpr (kZeros) z0 = LoadScales(s + kNr), z1 = LoadScales(s + kNr + 16);
+    Prefetch<(kZeros ? 2 : 1) * kNr * sizeof(ST)>(w);
     w += p.head_bytes;
     for (int64_t j = 0; j < subs; ++j, ++sb) {
       const int64_t k0 = sb * kSub;
@@ -429,6 +492,7 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
 #pragma GCC unroll 8
       for (int64_t kq = 0; kq < kSub; kq += 4, w += Fmt::kQuad) {
         __m512i b0, b1;
+        Prefetch<Fmt::kQuad>(w);
         Fmt::Load(w, b0, b1);
         const int c = (kq / 4) % kChains;
         for (int r = 0; r < R; ++r) {
@@ -511,6 +575,12 @@ constexpr auto MakeBlockTable(std::integer_sequence<int, Rs...>) {
     return std::array<BlockFn, sizeof...(Rs)>{&IntBlock<Fmt, kZeros, kSub, ST, Rs + 1>...};
   } else if constexpr (std::is_same_v<Fmt, Bf16>) {
     return std::array<BlockFn, sizeof...(Rs)>{&PairBlock<Rs + 1>...};
+  } else if constexpr (std::is_same_v<Fmt, Bf16Fma>) {
+#if defined(__AVX512F__)
+    return std::array<BlockFn, sizeof...(Rs)>{&WideBlock<Rs + 1>...};
+#else
+    return std::array<BlockFn, sizeof...(Rs)>{&PairBlock<Rs + 1>...};  // never chosen (Bf16AsFma)
+#endif
   } else {
     return std::array<BlockFn, sizeof...(Rs)>{&Block<Fmt, kZeros, Rs + 1>...};
   }
@@ -652,6 +722,64 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem& p, PanelsFn panels_fn, int6
   return ffi::Error::Success();
 }
 
+#if defined(__AVX512BF16__)
+// Instructions per second of 12 independent chains of vdpbf16ps (kDp) or vfmadd231ps, accumulators in registers
+// (the asm barriers keep the operands from being folded and the results from being dropped). A probe slowed by
+// memory traffic would read both rates alike, which chooses vdpbf16ps: the path used before.
+template <bool kDp>
+__attribute__((noinline)) double ChainRate(int64_t iters) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 a = _mm512_set1_ps(1.0f), b = _mm512_setzero_ps();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iters; ++it) {
+    __asm__ volatile("" : "+v"(a), "+v"(b));
+    for (int i = 0; i < 12; ++i) {
+      if constexpr (kDp) {
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)b);
+      } else {
+        acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
+      }
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int i = 0; i < 12; ++i) __asm__ volatile("" : : "v"(acc[i]));
+  return 12.0 * static_cast<double>(iters) / std::max(seconds, 1e-9);
+}
+#endif
+
+// Whether a bf16 product of m rows runs as two FMAs per k pair (`WideBlock`) rather than one vdpbf16ps
+// (`PairBlock`); both give the same bits (vdpbf16ps is two FMAs in that order on normal numbers; the tests compare
+// the paths bit for bit at 1-40 rows), so a row's result still does not depend on m. Two FMAs win once the widening
+// of each k pair is shared by enough rows, where vdpbf16ps issues at less than half the FMA rate: 1.35 vs 5.6 G
+// instructions/s per core on an Intel Xeon with AVX512_BF16 (2026-12-05), where a step's bf16 linear maps at 16 / 64
+// rows took 35-42 / 89-104 ms against vdpbf16ps's 44-47 / 160-174 (min / median of 9, fresh processes alternating);
+// at 1-4 rows (bound by the weight's bytes) vdpbf16ps stays, as it measured ~10% faster at one row. CPUs that run
+// vdpbf16ps at the FMA rate keep it throughout. Decided once per process by timing both (~1 ms, best of 3), or by
+// the environment: JAXSERVE_MATMUL_BF16=fma | dpbf16 (either at every row count). Without AVX512_BF16 the FMA path
+// is the fast one at any m (PairFma would widen per row); without AVX-512 the portable PairBlock does the same sums.
+bool Bf16AsFma(int64_t m) {
+#if !defined(__AVX512F__)
+  return false;
+#elif !defined(__AVX512BF16__)
+  return true;
+#else
+  enum Choice { kProbe, kFma, kDpbf16 };
+  static const Choice choice = [] {
+    const char* env = std::getenv("JAXSERVE_MATMUL_BF16");
+    if (env && std::strcmp(env, "fma") == 0) return kFma;
+    if (env && std::strcmp(env, "dpbf16") == 0) return kDpbf16;
+    double dp = 0, fma = 0;
+    for (int round = 0; round < 3; ++round) {
+      dp = std::max(dp, ChainRate<true>(20000));
+      fma = std::max(fma, ChainRate<false>(20000));
+    }
+    return fma > 2.5 * dp ? kProbe : kDpbf16;
+  }();
+  return choice == kFma || (choice == kProbe && m > kStreamRows);
+#endif
+}
+
 template <class Fmt, ffi::DataType kType>
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kType> w,
                      ffi::Result<ffi::Buffer<ffi::F32>> y) {
@@ -660,8 +788,15 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     return e;
   }
   if constexpr (std::is_same_v<Fmt, Bf16>) {
-    // x rounded once per call, into this thread's scratch (kept between calls); vdpbf16ps: 2 multiply-adds per
-    // f32 lane and instruction, no widening of the weights.
+    // x rounded once per call, into this thread's scratch (kept between calls).
+    if (Bf16AsFma(p.m)) {  // as f32 values; two FMAs per k pair, the weights widened once per pair for all rows
+      thread_local std::vector<float> xw;
+      if (xw.size() < static_cast<size_t>(p.m * p.k)) xw.resize(p.m * p.k);
+      RoundRowsBf16F32(p.x, p.m, p.k, xw.data());
+      p.xw = xw.data();
+      return Run(pool, p, &Panels<Bf16Fma, false>, 2, 0);
+    }
+    // As bf16 pairs; vdpbf16ps: 2 multiply-adds per f32 lane and instruction, no widening of the weights.
     thread_local std::vector<uint32_t> scratch;
     const size_t words = static_cast<size_t>(p.m * ((p.k + 1) / 2));
     if (scratch.size() < words) scratch.resize(words);
