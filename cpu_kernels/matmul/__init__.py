@@ -26,7 +26,9 @@ product rounded, then the sum (not an FMA).
 `matmul(x, packed)` computes `x @ w` for x f32[M, K] with one `jax.ffi.ffi_call`.
   * f32: each output element is an in-order FMA chain over K against the exact weights.
   * bf16: x rounded to bf16 (`round_to_bf16`), as a bf16 GEMM computes; each output element is a chain of exact
-    products summed in f32, k pair by k pair (vdpbf16ps).
+    products summed in f32, k pair by k pair (vdpbf16ps; or, where this CPU issues vdpbf16ps at under half its FMA
+    rate, two FMAs per pair in vdpbf16ps's order on widened weights for products of more than 4 rows: the same
+    bits; `JAXSERVE_MATMUL_BF16=fma|dpbf16` forces one).
   * int8, int4 (as llama.cpp does): x is quantized per row and block of 32 k to int8 with one f32 scale d per block
     (`quantize_activations`), products are exact integer dot products (vpdpbusd), and scales are applied once per
     block: y approximates `fake_quant_activations(x) @ unpack()`, float rounding aside.

@@ -47,7 +47,8 @@
 // 26.0 -> 22.0 us; 576 x 3072 int4 64.0 -> 50.6, int8 93.6 -> 79.3 us. Not kept, no gain above the noise in 3-4
 // interleaved runs each (as often slower as faster):
 //   * software prefetch (_mm_prefetch T0 of each quad's / k row's lines 256, 512 or 1024 bytes ahead in the panel
-//     stream): the stream is sequential, the hardware prefetchers already follow it;
+//     stream), on an AMD EPYC VM: the stream is sequential, the hardware prefetchers already followed it there. On
+//     an Intel Xeon VM (2026-12-05) 4 KB ahead did pay, at every row count and format (`Prefetch`, kept);
 //   * (with the caller then sleeping on a condition variable until the helpers were done) splitting M <= 4
 //     products into 2, 4 or 8 tasks whatever their size: at 0.2-1 MB per call the wake-up cost what the second
 //     core's bandwidth saved. With the caller spinning on the `done` counter instead (kept, `Shared::Wait`),
@@ -182,18 +183,18 @@ void RoundRowsBf16F32(const float* x, int64_t m, int64_t k, float* xw) {
 }
 
 #if defined(__AVX512F__)
-// Software prefetch of the weight stream, kPrefetchBytes ahead of `at` (two cache lines: one k pair of a bf16 panel).
-// Past the end of the weight it is a hint that does nothing. Measured on an Intel Xeon VM (2026-12-05, bf16, one
-// step's linear maps, fresh processes alternating): M = 1 / 4 / 16 / 64 rows 19-20 / 25 / 40-43 / 108-123 ms without,
-// 14-18 / 16-18 / 28-36 / 80-112 with, 2-16 KB ahead all alike; the hardware prefetchers alone left the loads of a
-// panel's first row block stalled (perf: ~46% of the block's samples on its two weight loads at M = 16).
+// Software prefetch of the weight stream: kBytes (the lines a loop step reads) kPrefetchBytes ahead of `at`. Past
+// the end of the weight it is a hint that does nothing. Measured on an Intel Xeon VM (2026-12-05, one step's linear
+// maps, fresh processes alternating, medians of 7-9): bf16 (two-FMA path) at M = 1 / 4 / 16 / 64 rows 19-20 / 25 /
+// 40-43 / 108-123 ms without, 14-18 / 16-18 / 28-36 / 80-112 with, 2-16 KB ahead all alike; at M = 16 f32 57-89 ->
+// 42-45, int8 G = 32 24-27 -> 21, int4 20-40 -> 14-19; M = 1 as fast or faster. Without it the loads of a panel's
+// first row block stalled (perf: ~46% of the two-FMA block's samples on its two weight loads at M = 16).
 constexpr int64_t kPrefetchBytes = 4096;
 template <int64_t kBytes>
 inline void Prefetch(const void* at) {
   const char* line = static_cast<const char*>(at) + kPrefetchBytes;
   for (int64_t i = 0; i < kBytes; i += 64) _mm_prefetch(line + i, _MM_HINT_T0);
 }
-inline void Prefetch2(const void* at) { Prefetch<128>(at); }
 
 // y[m0 .. m0 + R, the panel's columns] = the accumulators (columns 0-15, 16-31); masked past N in the last panel.
 template <int R>
@@ -289,7 +290,7 @@ void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
   const int64_t pairs = p.k / 2, words = (p.k + 1) / 2;
   const uint32_t* xb = p.xb + m0 * words;
   for (int64_t kq = 0; kq < pairs; ++kq, w += 2 * kNr) {
-    Prefetch2(w);
+    Prefetch<2 * kNr * sizeof(uint16_t)>(w);
     const __m512i b0 = _mm512_loadu_si512(w), b1 = _mm512_loadu_si512(w + kNr);
     for (int r = 0; r < R; ++r) {
       const __m512i a = _mm512_set1_epi32(static_cast<int>(xb[r * words + kq]));
@@ -317,7 +318,7 @@ void WideBlock(const Problem& p, int64_t panel, int64_t m0) {
   const float* x = p.xw + m0 * p.k;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t kq = 0; kq < pairs; ++kq, w += 2 * kNr) {
-    Prefetch2(w);
+    Prefetch<2 * kNr * sizeof(uint16_t)>(w);
     const __m512i b0 = _mm512_loadu_si512(w), b1 = _mm512_loadu_si512(w + kNr);
     const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(b0, high));
     const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(b1, high));
