@@ -223,6 +223,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peers", nargs="*", default=["hf", "llamacpp", "vllm"],
                     help="peers to compare (hf, llamacpp, vllm); missing ones are skipped with a message")
     ap.add_argument("--name", default=None, help="output file stem (default: decode, or decode_schemes)")
+    ap.add_argument("--num-layers", type=int, default=None, metavar="N",
+                    help="with --schemes: time a model of the default model's dimensions with N layers of random "
+                    "weights instead (made once; 150 layers = 560M parameters), so the weights outgrow the CPU's "
+                    "cache and the roofline is DRAM's; no llama.cpp twin, no gguf schemes")
     ap.add_argument("--schemes", nargs="+", default=None, metavar="SCHEME",
                     help="weight schemes to time, each beside llama.cpp on the matching GGUF (decode_schemes.py): "
                     + ", ".join(SCHEME_PEERS) + " (gguf = the shipped Q4_1 file's blocks; gguf:X = variant X's)")

@@ -36,7 +36,19 @@ def run_schemes(args) -> dict:
     unknown = [s for s in args.schemes if s not in SCHEME_PEERS]
     if unknown:
         raise ValueError(f"unknown --schemes {unknown}: expected some of {', '.join(SCHEME_PEERS)}")
-    name, B, P = args.name or "decode_schemes", max(args.batches), args.prompt_len
+    deep = getattr(args, "num_layers", None)
+    model, model_name = None, "SmolLM2-135M-Instruct"
+    if deep:  # the default model's dimensions, `deep` layers of random weights: no GGUF, so no llama.cpp twin
+        if gguf_schemes := [s for s in args.schemes if s.startswith("gguf")]:
+            raise ValueError(f"--num-layers: {gguf_schemes} need a GGUF file; the deep model has none")
+        model, why = peers.deep_model_dir(deep)
+        if model is None:
+            raise RuntimeError(f"--num-layers: {why}")
+        model_name = f"SmolLM2-135M's dimensions with {deep} layers of random weights (bf16 checkpoint)"
+    name = args.name or ("decode_schemes" if not deep else f"decode_schemes_{deep}layers")
+    B, P = max(args.batches), args.prompt_len
+    # the copy that sets the roofline: from DRAM when the weights do not fit the cache either
+    copy_mib = 1024 if deep else 256
     load0, cpu0, own0 = os.getloadavg(), cpu_jiffies(), os.times()
     prompts = np.random.default_rng(args.seed).integers(100, 40000, (B, P), np.int64)
     max_len = P + args.new_tokens + 16
@@ -50,7 +62,7 @@ def run_schemes(args) -> dict:
             if path is None:
                 skipped[scheme] = f"jaxserve {scheme}: {why}"
                 continue
-        eng = LLM(path, quantization=scheme.partition(":")[0], max_model_len=max_len, max_num_seqs=max(16, B),
+        eng = LLM(path or model, quantization=scheme.partition(":")[0], max_model_len=max_len, max_num_seqs=max(16, B),
                   max_num_batched_tokens=max(2048, B * P), precompile=False).llm_engine
         nbytes, params, forms = streamed_weights(eng.runner.weights)
         mc = eng.model_config
@@ -59,7 +71,9 @@ def run_schemes(args) -> dict:
                                * eng.runner.kv_dtype.itemsize)
         jax_engines[scheme] = eng
     lc_runs = {}
-    if "llamacpp" not in args.peers:
+    if deep:
+        skipped["llamacpp"] = "llama.cpp not run: the deep random-weight model has no GGUF file"
+    elif "llamacpp" not in args.peers:
         skipped["llamacpp"] = "llama.cpp not requested (--peers)"
     elif why := peers.llamacpp_missing():
         skipped["llamacpp"] = why
@@ -89,7 +103,7 @@ def run_schemes(args) -> dict:
             f(b, 8)
     compiles = {s: e.runner.num_compiles for s, e in jax_engines.items()}
 
-    bw, raw = [copy_bandwidth()], {n: {b: [] for b in args.batches} for n in runners}
+    bw, raw = [copy_bandwidth(copy_mib)], {n: {b: [] for b in args.batches} for n in runners}
     for r in range(args.reps):
         for b in args.batches:
             for n, f in runners.items():
@@ -97,7 +111,7 @@ def run_schemes(args) -> dict:
                 raw[n][b].append(res)
                 print(f"round {r} batch {b:2d} {n:20s}: decode {res['tok_s']:7.1f} tok/s (median step "
                       f"{res['median_step_ms']:6.2f} ms), prefill {res['prefill_s']:.2f} s", flush=True)
-        bw.append(copy_bandwidth())
+        bw.append(copy_bandwidth(copy_mib))
     recompiled = {s: (compiles[s], e.runner.num_compiles) for s, e in jax_engines.items()
                   if e.runner.num_compiles != compiles[s]}
     if recompiled:
@@ -129,7 +143,8 @@ def run_schemes(args) -> dict:
     env = dict(machine_info(), backend=jax.default_backend(), loadavg_before=load0, loadavg_after=load1,
                steal_pct=100 * dcpu[7] / max(1, sum(dcpu)), other_processes_cores=others)
     record = dict(command="HF_HUB_OFFLINE=1 .venv/bin/python -m bench latency" + "".join(f" {a}" for a in argv),
-                  env=env, args=args_record(args), copy_bandwidth_Bps=bandwidth, weights=weights, gguf=gguf,
+                  model=model_name, copy_mib=copy_mib, env=env, args=args_record(args),
+                  copy_bandwidth_Bps=bandwidth, weights=weights, gguf=gguf,
                   results=results, skipped=skipped, num_compiles=compiles,
                   runs={n: {b: [{k: v for k, v in x.items() if k != "tokens"} for x in xs] for b, xs in d.items()}
                         for n, d in raw.items()})
@@ -175,7 +190,8 @@ def report_schemes(rec: dict) -> str:
                      f"{r['llamacpp_pct_roofline']:.0f}%" if r.get("llamacpp_pct_roofline") else "–", r["goal"]])
     bw = {k: v / 1e9 for k, v in rec["copy_bandwidth_Bps"].items() if k != "all"}
     md = ["# Decode latency per weight scheme: jaxserve vs llama.cpp", "",
-          f"SmolLM2-135M-Instruct, {env['backend']}. Batches of prompts of {a['prompt_len']} random token ids, "
+          f"{rec.get('model', 'SmolLM2-135M-Instruct')}, {env['backend']}. Batches of prompts of {a['prompt_len']} "
+          "random token ids, "
           f"{a['new_tokens']} greedy tokens each (EOS ignored); decode only (timing starts once every sequence has its "
           f"first token). {a['reps']} interleaved rounds (every engine once per round), median [min–max]; "
           "tok/s = decode tokens / decode wall time.", "",
@@ -185,7 +201,8 @@ def report_schemes(rec: dict) -> str:
           f"Q4_1 file, gguf:X - X), and >= {ROOFLINE_GOAL_PCT}% of the scheme's own roofline at batch 1. none "
           "(float32) has no llama.cpp twin: F16 is shown for scale.", "",
           f"Roofline tok/s = batch x copy bandwidth / (weight bytes + batch x KV bytes at the mean decode context "
-          f"{a['prompt_len'] + a['new_tokens'] // 2}); copy bandwidth {fmt(bw, 2)} GB/s (read + write, np.copyto). "
+          f"{a['prompt_len'] + a['new_tokens'] // 2}); copy bandwidth {fmt(bw, 2)} GB/s (read + write, np.copyto of "
+          f"{rec.get('copy_mib', 256)} MiB). "
           "Weight bytes: the seven linear maps per layer and the logits projection as the runner holds them (the "
           "native kernel's panels, scales, zeros, padding); llama.cpp's: its file's 2-D tensors, f16 KV.", "",
           "llama.cpp: llama-cpp-python's low-level loop (`LlamaCppLoop`: one context with a sequence slot per "

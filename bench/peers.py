@@ -48,6 +48,34 @@ def default_gguf() -> str:
     return default_model_path()
 
 
+def deep_model_dir(num_layers: int) -> tuple[str | None, str]:
+    """(bf16 HF directory of a model with the default model's dimensions and tokenizer but `num_layers` layers of
+    random weights, "") or (None, why not); made once. For measuring decode when the weights outgrow the CPU's
+    cache (150 layers: 560M parameters, ~390 MB in 4-bit), which the default model's never do on a large-L3 CPU."""
+    out = os.path.join(CACHE_DIR, f"smollm2-deep{num_layers}")
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out, ""
+    src, why = smollm2_hf_dir()
+    if src is None:
+        return None, why
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.num_hidden_layers = num_layers
+    print(f"[peers] making a {num_layers}-layer random-weight model at {out}", flush=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    tmp = out + ".tmp"
+    model.save_pretrained(tmp)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out, ""
+
+
 def smollm2_hf_dir() -> tuple[str | None, str]:
     """(fp32 HF directory converted from the default GGUF, "") or (None, why not); converts once (about 30 s)."""
     out = os.path.join(CACHE_DIR, "smollm2-hf")

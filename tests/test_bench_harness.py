@@ -287,3 +287,30 @@ def test_vllm_worker_result_is_found_among_log_lines(monkeypatch, tmp_path):
     fake.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo True; exit 0; fi\necho "Traceback: boom" >&2; exit 3\n')
     out, why = peers.run_vllm_worker({"mode": "decode"})
     assert out is None and "status 3" in why and "boom" in why
+
+
+def test_deep_model_dir_makes_a_deeper_model_of_the_same_dimensions(tmp_path, monkeypatch):
+    """`bench latency --num-layers N` times a model whose weights outgrow the CPU's cache: the default model's
+    config and tokenizer with N layers of random weights, made once and then found in the cache."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig
+
+    src = tmp_path / "src"
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(src)
+    (src / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(peers, "smollm2_hf_dir", lambda: (str(src), ""))
+    monkeypatch.setattr(peers, "CACHE_DIR", str(tmp_path / "cache"))
+    out, why = peers.deep_model_dir(5)
+    assert why == "" and out == str(tmp_path / "cache" / "smollm2-deep5")
+    cfg = json.loads((tmp_path / "cache" / "smollm2-deep5" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 5 and cfg["hidden_size"] == 32 and cfg["num_key_value_heads"] == 2
+    assert (tmp_path / "cache" / "smollm2-deep5" / "tokenizer.json").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "cache" / "smollm2-deep5" / "model.safetensors"), "pt") as f:
+        layers = {k.split(".")[2] for k in f.keys() if k.startswith("model.layers.")}
+        assert layers == {str(i) for i in range(5)}
+        assert f.get_tensor("model.layers.4.mlp.up_proj.weight").dtype == torch.bfloat16
+    monkeypatch.setattr(peers, "smollm2_hf_dir", lambda: (None, "must not be called again"))
+    assert peers.deep_model_dir(5) == (out, "")
