@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from jaxserve import LLM, SamplingParams
@@ -172,6 +174,27 @@ def test_ngram_proposer():
     assert prop.propose([1, 2, 1], 5) == [2, 1]  # runs out of history: fewer than k
     assert prop.propose([1, 1], 0) == []
     assert NgramProposer(min_n=2, max_n=2).propose([7, 8, 9, 8], 2) == []  # only 1-gram matches exist
+
+
+@settings(max_examples=200, deadline=None)
+@given(min_n=st.integers(1, 4), span=st.integers(0, 3), k=st.integers(0, 5), alphabet=st.integers(1, 6),
+       prompt_len=st.integers(0, 30), seed=st.integers(0, 2**32 - 1))
+def test_ngram_draft_index_equals_the_search(min_n, span, k, alphabet, prompt_len, seed):
+    """The engine's lookup (`draft`: an index per sequence, extended as tokens arrive) proposes exactly what the
+    search over the whole sequence (`propose`) does, at every length of a growing sequence, from a small alphabet
+    (many repeats, overlapping matches); also after the sequence's output list is replaced (a fresh index)."""
+    from jaxserve.sequence import Sequence
+
+    rng = np.random.default_rng(seed)
+    prop = NgramProposer(min_n=min_n, max_n=min_n + span)
+    seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=rng.integers(0, alphabet, prompt_len).tolist(),
+                   params=SamplingParams(), max_tokens=64, arrival_time=0.0)
+    for step in range(40):
+        assert prop.draft(seq, k) == prop.propose(seq.token_ids, k), (seq.token_ids, k)
+        seq.output_token_ids.extend(rng.integers(0, alphabet, int(rng.integers(1, 4))).tolist())  # 1-3 per step
+        if step == 25:
+            seq.output_token_ids = seq.output_token_ids[:-5] + [alphabet]  # a new list, not a continuation
+    assert prop.draft(seq, k) == prop.propose(seq.token_ids, k)
 
 
 def test_controller_backs_off_when_speculation_does_not_pay():
