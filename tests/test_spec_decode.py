@@ -382,6 +382,46 @@ def test_drafts_do_not_take_the_budget_of_prompts_that_can_be_scheduled():
     assert drafts(engine_cfg(max_num_seqs=2), [seq(9, range(3, 43), 0)]) == ([3, 3], False)
 
 
+def test_a_step_in_flight_is_not_waited_for_when_no_sequence_can_have_ngram_drafts():
+    """Async scheduling: with a step in flight, the next is built at once without drafts unless speculation might
+    pay. n-gram counts the drafts a lookup finds in the tokens known now (`expected_drafts`), not every sequence's
+    full cap: sequences whose text never repeats let the step overlap even where verifying would be free; one
+    that repeats makes the engine wait and propose. A model proposer (the default hook) still counts its cap."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.sequence import Sequence
+    from jaxserve.spec_decode.proposer import Proposer
+    from jaxserve.spec_decode.speculator import Speculator
+
+    cfg = EngineConfig.from_dict(dict(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256,
+                                      speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3}), "test")
+
+    def decoding(i, prompt):
+        s = Sequence(i, str(i), 0, list(prompt), SamplingParams(max_tokens=100), 100, 0.0)
+        s.num_computed_tokens = len(prompt) - 1
+        return s
+
+    def speculator(proposer):
+        spec = Speculator(cfg, proposer)
+        for b in cfg.token_buckets:
+            spec.controller.record_step(b, 0.01)  # verifying is free and everything is accepted
+            spec.controller.record_step(b, 0.01, overlapped=True)
+        for _ in range(40):
+            spec.controller.record(3, 3)
+        return spec
+
+    fresh = [decoding(i, range(10 * i, 10 * i + 12)) for i in range(3)]  # no token repeats: no lookup matches
+    assert speculator(NgramProposer(1, 3)).skip_proposal(fresh) is True
+    repeating = fresh[:2] + [decoding(7, [5, 6, 7] * 4)]
+    assert speculator(NgramProposer(1, 3)).skip_proposal(repeating) is False
+
+    class ModelProposer(Proposer):  # drafts whatever the text: the default expectation, the full cap
+        def draft(self, seq, k):
+            return None
+
+    assert speculator(ModelProposer()).skip_proposal(fresh) is False
+
+
 # ---- the engine ----------------------------------------------------------------------------------------------------
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

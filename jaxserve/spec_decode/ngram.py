@@ -65,6 +65,12 @@ class NgramProposer(Proposer):
                 return list(tokens[end : end + k])
         return []
 
+    def expected_drafts(self, seq, k: int) -> int:
+        """The drafts a lookup finds with the tokens known now (the newest, still being sampled, left out): a
+        sequence whose ending has no earlier occurrence now will likely have none after one more token, so a step
+        in flight need not wait for its tokens to be proposed for (most sequences of a loaded server find none)."""
+        return len(self.draft(seq, k))
+
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         L = len(token_ids)
         if k <= 0 or L < self.min_n + 1:

@@ -28,6 +28,12 @@ class Proposer(Protocol):
         step), or None: `k` placeholders that `after_schedule` fills once the step's pages are reserved."""
         raise NotImplementedError
 
+    def expected_drafts(self, seq: Sequence, k: int) -> int:
+        """While the step before is still in flight (its tokens unknown): how many of up to `k` drafts `seq` will
+        likely have next step, for the controller's decision to build that step without drafts. A host lookup can
+        tell from the tokens known so far; a model proposer always drafts `k`."""
+        return k
+
     def after_schedule(self, work: list[ScheduledWork]) -> None:
         """Fill the placeholder drafts of the scheduled sequences (`seq.spec_token_ids[:w.num_draft]`)."""
 
