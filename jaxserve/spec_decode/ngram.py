@@ -6,9 +6,9 @@ in the sequence, and propose the (up to) k tokens that followed it. No match -> 
 
 `propose` searches the whole sequence (the definition, numpy); the engine's `draft` answers the same from an index
 kept per sequence (`_Index`) and extended by the tokens appended since the last call, so a lookup costs a few dict
-probes instead of a pass over the sequence. The pass cost 0.2-0.3 ms per sequence and step at 200-2,000 tokens
-(2026-12-05): 3-5 ms of host time per 16-sequence step, ~10% of such a step on 2 cores, paid before the controller
-could decide not to speculate.
+probes instead of a pass over the sequence. The pass cost 0.13-0.7 ms per sequence and step at 200-2,000 tokens,
+the index 8-19 us after a one-time 0.4-4 ms for the prompt (2026-12-05, random tokens): the pass was up to ~10% of a
+16-sequence step on 2 cores, paid before the controller could decide not to speculate.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class NgramProposer(Proposer):
     def expected_drafts(self, seq, k: int) -> int:
         """The drafts a lookup finds with the tokens known now (the newest, still being sampled, left out): a
         sequence whose ending has no earlier occurrence now will likely have none after one more token, so a step
-        in flight need not wait for its tokens to be proposed for (most sequences of a loaded server find none)."""
+        in flight need not wait for its tokens to be proposed for."""
         return len(self.draft(seq, k))
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
