@@ -75,6 +75,10 @@ class _Launched:
     # step could be scheduled before this one lands. Per work item: its start and whether it samples a token.
     advanced: bool = False
     starts: list[int] | None = None
+    # Speculation (traced, `_trace_step`): the controller's K for this step, and the hint that made the engine wait
+    # for the step before instead of building this one behind it (`Speculator.skip_proposal`; None: no such hint).
+    spec_k: int | None = None
+    spec_hint: int | None = None
     completes: list[bool] | None = None
 
 
@@ -198,8 +202,11 @@ class LLMEngine:
         pages of the step in flight are not settled -- unless the step was `advanced` (async scheduling, `overlap`
         and every sequence allows it: `_can_advance`). `propose=False`: the step has no drafts."""
         t_begin, compiles = time.perf_counter(), self._num_compiles()
-        if self.spec is not None and propose:
-            self.spec.propose(self.scheduler.running, self.scheduler.waiting)
+        hint = None
+        if self.spec is not None:
+            hint, self.spec.last_hint = self.spec.last_hint, None  # this step's, if the engine waited for the last
+            if propose:
+                self.spec.propose(self.scheduler.running, self.scheduler.waiting)
         work = self.scheduler.schedule()
         if not work:
             return None
@@ -207,6 +214,8 @@ class LLMEngine:
             self.spec.after_schedule(work)
         failed: list[RequestOutput] = []
         launched = self._launch(work, failed, t_begin, compiles)
+        if self.spec is not None and launched is not None:
+            launched.spec_k, launched.spec_hint = self.spec.last_k if propose else 0, hint
         if overlap and launched is not None and launched.error is None and self._can_advance(launched.work):
             self._advance_launched(launched)
         return _Pending(work, failed, launched)
@@ -236,8 +245,9 @@ class LLMEngine:
     # before lands (EAGLE-3), so a step that verifies drafts is built after the one before it lands, and lands
     # before the next is built. A step that does not speculate overlaps like any other: with a step in flight, the
     # next one is built at once, without drafts, when the controller would not speculate even if every sequence
-    # had its full cap of drafts (`Speculator.skip_proposal`: a loaded server); otherwise the step in flight lands
-    # first and the next one proposes from its tokens (an EAGLE-3 head catches up on it and drafts when it lands).
+    # had the drafts its proposer expects (`Speculator.skip_proposal`: a loaded server); otherwise the step in
+    # flight lands first and the next one proposes from its tokens (an EAGLE-3 head catches up on it and drafts
+    # when it lands).
     # For a step landing with the next in flight, an EAGLE-3 head only catches up (no drafts: the next step is
     # built), or, when the controller would not speculate, is off for its sequences as in the synchronous engine
     # (`spec_decode/eagle3.py`). Outputs are those of the synchronous engine (drafts never change them: the
@@ -464,7 +474,8 @@ class LLMEngine:
             t=launched.t0, run_ms=1e3 * run_seconds, bucket=launched.steps[0][0].num_tokens, seqs=len(work),
             tokens=sum(w.num_tokens for w in work), decodes=len(decodes), drafts=sum(w.num_draft for w in work),
             prefill=sum(w.num_tokens for w in work) - sum(1 + w.num_draft for w in decodes), accepted=accepted,
-            waiting=len(self.scheduler.waiting), overlapped=overlapped, advanced=launched.advanced, timed=timed))
+            waiting=len(self.scheduler.waiting), overlapped=overlapped, advanced=launched.advanced, timed=timed,
+            spec_k=launched.spec_k, spec_hint=launched.spec_hint))
 
     def _microbatches(self, work: list[ScheduledWork]) -> list[list[ScheduledWork]]:
         """The step's work as the runner's micro-batches: one group, or under pipeline parallelism up to one per

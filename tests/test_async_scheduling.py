@@ -225,6 +225,11 @@ def test_ngram_speculation_overlaps_the_steps_that_do_not_speculate(path, altern
         assert sum(r["accepted"] for r in eng.step_trace) == sum(m.num_accepted)
         assert any(r["overlapped"] for r in eng.step_trace) is mode
         assert (eng.num_overlapped_steps > 0) is mode
+        # the trace's controller decisions: a step with drafts had K > 0; a hint that made the engine wait for the
+        # step before (async only) is recorded on the step built after it, never on one built behind
+        assert all(r["spec_k"] > 0 for r in eng.step_trace if r["drafts"])
+        assert all(r["spec_hint"] is None for r in eng.step_trace if r["overlapped"])
+        assert any(r["spec_hint"] for r in eng.step_trace) is mode
         _idle(llm)
 
 

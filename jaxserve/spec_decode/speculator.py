@@ -37,6 +37,8 @@ class Speculator:
         self.proposer = proposer
         self.controller = SpecController(cfg.speculative_config, cfg.token_buckets)
         self._timed_buckets: set = set()  # buckets whose step time the controller has seen once
+        self.last_k: int | None = None  # the K `propose` chose last (the step trace records it per step)
+        self.last_hint: int | None = None  # the K of the hint that last made the engine wait (`skip_proposal`)
 
     @property
     def metrics(self):
@@ -75,7 +77,7 @@ class Speculator:
         caps = [k if d is None else len(d) for k, d in zip(caps, drafts)]
         for seq in running:
             seq.spec_token_ids = []
-        k_step = self.controller.choose_k(base, caps, room=room)
+        k_step = self.last_k = self.controller.choose_k(base, caps, room=room)
         for seq, d, cap in zip(decoding, drafts, caps):
             k = min(k_step, cap)
             if d is not None:
@@ -111,7 +113,8 @@ class Speculator:
         sequences find some match, and a loaded n-gram server still waited for 99 of 786 steps in a 100-prompt
         burst and then verified nothing (README, "Speculation under load")."""
         base, room, caps = self._next_step(running, waiting, expected=True)
-        if caps and self.controller.choose_k(base, caps, optimistic=True, room=room) > 0:
+        if caps and (hint := self.controller.choose_k(base, caps, optimistic=True, room=room)) > 0:
+            self.last_hint = hint
             return False
         self.controller.num_decisions += 1
         for seq in running:
