@@ -75,11 +75,11 @@ class _Launched:
     # step could be scheduled before this one lands. Per work item: its start and whether it samples a token.
     advanced: bool = False
     starts: list[int] | None = None
+    completes: list[bool] | None = None
     # Speculation (traced, `_trace_step`): the controller's K for this step, and the hint that made the engine wait
     # for the step before instead of building this one behind it (`Speculator.skip_proposal`; None: no such hint).
     spec_k: int | None = None
     spec_hint: int | None = None
-    completes: list[bool] | None = None
 
 
 @dataclass

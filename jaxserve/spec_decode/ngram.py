@@ -38,7 +38,7 @@ class _Index:
             for n, table in self.last_end.items():
                 if end >= n:
                     table[tuple(tokens[end - n : end])] = end
-        self.ends_upto = max(self.ends_upto, len(tokens) - 1)
+        self.ends_upto = len(tokens) - 1  # never below the last call's (`draft` rebuilds an index of a shorter list)
 
 
 class NgramProposer(Proposer):
