@@ -37,6 +37,8 @@ def run_schemes(args) -> dict:
     if unknown:
         raise ValueError(f"unknown --schemes {unknown}: expected some of {', '.join(SCHEME_PEERS)}")
     deep = getattr(args, "num_layers", None)
+    if deep is not None and deep < 1:
+        raise ValueError(f"--num-layers must be at least 1, got {deep}")
     model, model_name = None, "SmolLM2-135M-Instruct"
     if deep:  # the default model's dimensions, `deep` layers of random weights: no GGUF, so no llama.cpp twin
         if gguf_schemes := [s for s in args.schemes if s.startswith("gguf")]:

@@ -114,3 +114,14 @@ def test_quick_run_on_a_tiny_model_matches_hf(tmp_path):
     assert rows["none"]["top1_vs_float32"] == 1.0 and rows["none"]["ppl_rise_pct"] == 0.0
     assert 0.5 < rows["int8"]["top1_vs_float32"] <= 1.0
     assert sum(rec["per_sample"]["int8"]["num_tokens"]) == rec["num_scored_tokens"] == 4 * args.max_reply_tokens
+
+
+def test_num_layers_refuses_what_it_cannot_run():
+    """`bench latency --schemes ... --num-layers N`: N below 1, or a gguf scheme (the deep model has no GGUF file),
+    is a clear error before anything is built."""
+    args = argparse.Namespace(schemes=["int8"], num_layers=0)
+    with pytest.raises(ValueError, match="--num-layers must be at least 1, got 0"):
+        decode_schemes.run_schemes(args)
+    args = argparse.Namespace(schemes=["int8", "gguf:Q8_0"], num_layers=4)
+    with pytest.raises(ValueError, match=r"--num-layers: \['gguf:Q8_0'\] need a GGUF file"):
+        decode_schemes.run_schemes(args)

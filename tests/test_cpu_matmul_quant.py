@@ -474,3 +474,13 @@ def test_bf16_fma_path_equals_dpbf16_path(tmp_path):
     for key, ref in outs["dpbf16"].items():
         np.testing.assert_array_equal(outs["fma"][key], ref, err_msg=f"fma vs dpbf16, K,M = {key}")
         np.testing.assert_array_equal(outs[""][key], ref, err_msg=f"default vs dpbf16, K,M = {key}")
+
+
+def test_an_unknown_bf16_path_is_refused(monkeypatch):
+    """JAXSERVE_MATMUL_BF16 names a path (fma, dpbf16) or is unset; anything else is a clear error at load."""
+    for ok in ("", "fma", "dpbf16"):
+        monkeypatch.setenv("JAXSERVE_MATMUL_BF16", ok)
+        native.check_env()
+    monkeypatch.setenv("JAXSERVE_MATMUL_BF16", "vdpbf16ps")
+    with pytest.raises(ValueError, match="JAXSERVE_MATMUL_BF16='vdpbf16ps': expected one of fma, dpbf16"):
+        native.check_env()

@@ -63,10 +63,21 @@ _FORMAT_OF_DTYPE = {np.dtype(np.float32): "f32", np.dtype(ml_dtypes.bfloat16): "
                     np.dtype(np.uint8): "int4"}
 
 
+BF16_PATHS = ("fma", "dpbf16")  # JAXSERVE_MATMUL_BF16: force one bf16 path (unset or empty: measured per CPU)
+
+
+def check_env() -> None:
+    """A JAXSERVE_MATMUL_BF16 the kernel would not understand is an error, not silently the default."""
+    choice = os.environ.get("JAXSERVE_MATMUL_BF16", "")
+    if choice and choice not in BF16_PATHS:
+        raise ValueError(f"JAXSERVE_MATMUL_BF16={choice!r}: expected one of {', '.join(BF16_PATHS)} (or unset)")
+
+
 @functools.cache
 def load() -> bool:
     """Build (or find in the cache), load and register the native library's targets; False, with one warning, on
     failure."""
+    check_env()
     return all(load_cpu_target(build_library, SOURCE, symbol, target, "native CPU matmul unavailable, using XLA dots")
                for target, symbol in TARGETS.values())
 
