@@ -177,6 +177,11 @@ class AsyncLLM:
                                   ("loop", self._loop_trace)):
                 for r in records:
                     f.write(json.dumps({"kind": kind, **r}) + "\n")
+            spec = getattr(self.engine, "spec", None)
+            if spec is not None:
+                c = spec.controller
+                f.write(json.dumps(dict(kind="controller", cost=c.cost, cost_overlapped=c.cost_overlapped,
+                                        recent_drafts=c.recent_drafts, recent_accepted=c.recent_accepted)) + "\n")
         logger.info("wrote the step trace to %s", self._trace_path)
 
     # ---- engine thread --------------------------------------------------------------------------------------

@@ -204,9 +204,9 @@ class LLMEngine:
         t_begin, compiles = time.perf_counter(), self._num_compiles()
         hint = None
         if self.spec is not None:
-            hint, self.spec.last_hint = self.spec.last_hint, None  # this step's, if the engine waited for the last
             if propose:
                 self.spec.propose(self.scheduler.running, self.scheduler.waiting)
+            hint, self.spec.last_hint = self.spec.last_hint, None  # this step's, if the engine waited for the last
         work = self.scheduler.schedule()
         if not work:
             return None
@@ -434,6 +434,7 @@ class LLMEngine:
         # have the next one built behind it.
         overlapped = launched.t_begin < self._last_landed
         run_seconds = now - max(launched.t_begin, self._last_landed)
+        gap = 0.0 if overlapped else launched.t_begin - self._last_landed  # host time before the step began
         self._last_landed = now
         self.num_steps += 1
         trace_accepted = self.step_trace is not None and self.spec is not None
@@ -456,7 +457,7 @@ class LLMEngine:
             self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds, overlapped)
         if self.step_trace is not None:
             accepted = sum(self.spec.metrics.num_accepted) - accepted if trace_accepted else 0
-            self._trace_step(launched, run_seconds, accepted, timed, overlapped)
+            self._trace_step(launched, run_seconds, accepted, timed, overlapped, gap)
         return outputs
 
     def _num_compiles(self) -> int:
@@ -464,7 +465,7 @@ class LLMEngine:
         return self.runner.num_compiles + (0 if self.spec is None else self.spec.proposer.num_compiles)
 
     def _trace_step(self, launched: _Launched, run_seconds: float, accepted: int, timed: bool,
-                    overlapped: bool) -> None:
+                    overlapped: bool, gap: float) -> None:
         """One landed step's record: when it was dispatched, its period (`run_seconds`, as `_land` times it for the
         controller; `timed`: the controller got it), its padded size, its mix of decodes and prompt tokens, and the
         drafts it verified and accepted."""
@@ -475,7 +476,7 @@ class LLMEngine:
             tokens=sum(w.num_tokens for w in work), decodes=len(decodes), drafts=sum(w.num_draft for w in work),
             prefill=sum(w.num_tokens for w in work) - sum(1 + w.num_draft for w in decodes), accepted=accepted,
             waiting=len(self.scheduler.waiting), overlapped=overlapped, advanced=launched.advanced, timed=timed,
-            spec_k=launched.spec_k, spec_hint=launched.spec_hint))
+            spec_k=launched.spec_k, spec_hint=launched.spec_hint, gap_ms=1e3 * gap))
 
     def _microbatches(self, work: list[ScheduledWork]) -> list[list[ScheduledWork]]:
         """The step's work as the runner's micro-batches: one group, or under pipeline parallelism up to one per

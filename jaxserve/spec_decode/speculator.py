@@ -78,6 +78,8 @@ class Speculator:
         for seq in running:
             seq.spec_token_ids = []
         k_step = self.last_k = self.controller.choose_k(base, caps, room=room)
+        if self.last_hint is not None:  # the engine waited for the step before to land for this decision
+            self.controller.record_wait(k_step > 0)
         for seq, d, cap in zip(decoding, drafts, caps):
             k = min(k_step, cap)
             if d is not None:
@@ -107,13 +109,13 @@ class Speculator:
         now, without drafts (`running` holds tokens still being sampled, which a proposer cannot see). The
         controller decides as if every decoding sequence had the drafts the proposer expects from the tokens known
         (`Proposer.expected_drafts`: a model proposer its full cap, the most speculation could gain; n-gram what a
-        lookup finds now): if even that loses to no speculation (a loaded server), real drafts would too. A skipped
-        step counts as the controller's decision (its exploring goes on while steps overlap); otherwise `propose`
-        decides. n-gram's expectation only helps where lookups find nothing: with prompt_lookup_min = 1 most
-        sequences find some match, and a loaded n-gram server still waited for 99 of 786 steps in a 100-prompt
-        burst and then verified nothing (README, "Speculation under load")."""
+        lookup finds now): if even that loses to no speculation (a loaded server), real drafts would too; and if
+        the decisions after recent waits mostly chose no speculation, waiting is not worth its price either
+        (`SpecController.wait_for`: a loaded n-gram server waited for 376 of 771 steps, and 310 of those then
+        verified nothing). A skipped step counts as the controller's decision (its exploring goes on while steps
+        overlap); otherwise `propose` decides."""
         base, room, caps = self._next_step(running, waiting, expected=True)
-        if caps and (hint := self.controller.choose_k(base, caps, optimistic=True, room=room)) > 0:
+        if caps and (hint := self.controller.wait_for(base, caps, room=room)) > 0:
             self.last_hint = hint
             return False
         self.controller.num_decisions += 1
