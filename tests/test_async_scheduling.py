@@ -230,6 +230,9 @@ def test_ngram_speculation_overlaps_the_steps_that_do_not_speculate(path, altern
         assert all(r["spec_k"] > 0 for r in eng.step_trace if r["drafts"])
         assert all(r["spec_hint"] is None for r in eng.step_trace if r["overlapped"])
         assert any(r["spec_hint"] for r in eng.step_trace) is mode
+        # host time between a step's landing and the next step's start: none for a step built behind it
+        assert all(r["gap_ms"] == 0 for r in eng.step_trace if r["overlapped"])
+        assert all(r["gap_ms"] >= 0 for r in eng.step_trace)
         _idle(llm)
 
 
