@@ -287,6 +287,23 @@ def test_training_learns_and_exports_losslessly(target, dataset, trained, plain_
     assert sum(spec.llm_engine.spec.metrics.num_accepted) > 0  # the trained head's drafts do get accepted
 
 
+def test_training_can_start_from_an_exported_head(dataset, trained):
+    """`train --init-head HEAD`: the run starts from the head's weights and draft vocabulary (which replaces the
+    configured size), so it continues from the head's held-out loss instead of a fresh head's."""
+    samples, store = dataset
+    tr, head, before, log = trained
+    warm = Trainer(store, dataclasses.replace(tr.tc, draft_vocab_size=32, max_steps=4), head=head)
+    assert warm.tc.draft_vocab_size == 64 and (warm.draft_ids == tr.draft_ids).all()
+    for f in dataclasses.fields(Eagle3Weights):
+        if f.name != "d2t":
+            np.testing.assert_array_equal(np.asarray(getattr(warm.params, f.name)),
+                                          np.asarray(getattr(tr.params, f.name)), err_msg=f.name)
+    assert warm.evaluate() == tr.evaluate()
+    fresh_loss = _trainer(store).evaluate(ids=tr.train_ids)["loss"][0]
+    warm_log = warm.train()
+    assert warm_log[0]["loss"] < 0.8 * fresh_loss  # its first step starts where the head left off
+
+
 SERVE_KW = dict(max_num_batched_tokens=64, token_buckets=(8, 64), page_size=4, max_model_len=128, precompile=False)
 
 

@@ -112,10 +112,13 @@ def train(argv) -> None:
     ap.add_argument("--resume", action="store_true",
                     help="continue the run in --out from its latest checkpoint (same settings and features)")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--init-head", default=None,
+                    help="start from this exported head (e.g. the shipped one): its draft vocabulary (which replaces "
+                         "--draft-vocab-size) and weights; the optimizer starts fresh. A --resume passes it again")
     _add_parallel_args(ap)
     a = ap.parse_args(argv)
     _init_processes(a)
-    tr = Trainer(FeatureStore.open(a.features), _train_config(a), a.model, mesh=a.mesh)
+    tr = Trainer(FeatureStore.open(a.features), _train_config(a), a.model, head=a.init_head, mesh=a.mesh)
     log = tr.train(a.out, resume=a.resume)
     if tr.stop_signal is not None:
         print("[train] to continue: the same command with --resume", flush=True)

@@ -190,6 +190,8 @@ class Trainer:
                                  f"{store.meta['aux_layer_ids']}")
             self.draft_ids = np.arange(self.cfg.draft_vocab_size) + w.d2t.astype(np.int64)
             self.d2t, self.t2d = vocab_mapping(self.draft_ids, tcfg.vocab_size)
+            # the head's vocabulary is the run's: recorded as such in checkpoints and in training.json
+            self.tc = tc = dataclasses.replace(tc, draft_vocab_size=self.cfg.draft_vocab_size)
         print(f"[vocab] {len(self.draft_ids)} draft ids cover {coverage(counts, self.t2d):.4f} of "
               f"{int(counts.sum())} training output tokens", flush=True)
         self.embed = self._replicate(embed)
