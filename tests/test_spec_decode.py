@@ -404,6 +404,59 @@ def test_controller_stops_waiting_for_hints_its_decisions_overrule():
     assert all(c.wait_for(16, [1] * 16) == 1 for _ in range(EXPLORE_EVERY))
 
 
+def test_a_head_that_drafts_ahead_keeps_up_when_the_controller_only_explores_no_speculation():
+    """A proposer that drafts ahead (EAGLE-3) is told K = 0 for the next step either because speculation does not
+    pay (it goes off, and its sequences stop speculating for good) or because the controller explores K = 0: then it
+    must follow the step without drafting (k_hint > 0, no drafts), or exploring would switch it off."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.sequence import Sequence
+    from jaxserve.spec_decode.controller import EXPLORE_EVERY
+    from jaxserve.spec_decode.proposer import Proposer
+    from jaxserve.spec_decode.speculator import Speculator
+
+    class AheadProposer(Proposer):
+        def __init__(self):
+            self.calls = []
+
+        def draft(self, seq, k):
+            return None
+
+        def after_step(self, work, starts, ends, hidden, draft_cap, k_hint):
+            self.calls.append((k_hint, [draft_cap(s) for s in running]))
+
+    cfg = EngineConfig.from_dict(dict(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
+                                      speculative_config={"method": "ngram", "num_speculative_tokens": 1}), "test")
+    prop = AheadProposer()
+    spec = Speculator(cfg, prop)
+    c = spec.controller
+    running = []
+    for i in range(2):
+        s = Sequence(i, str(i), 0, [5, 6, 7], SamplingParams(max_tokens=100), 100, 0.0)
+        s.num_computed_tokens = 2
+        running.append(s)
+    for b in cfg.token_buckets:
+        c.record_step(b, 0.010)  # 2 decodes + 2 drafts, half of them accepted: 3 tokens in 10 ms (300/s) ...
+    for _ in range(40):
+        c.record(1, 1)
+        c.record(1, 0)
+    c.record_step(2, 0.008, overlapped=True)  # ... beat 2 decodes built behind the step before in 8 ms (250/s),
+    # the runner-up, within EXPLORE_MAX_LOSS: explored every EXPLORE_EVERY-th decision
+    kinds = set()
+    for decision in range(1, 2 * EXPLORE_EVERY + 1):
+        c.num_decisions = decision - 1
+        spec.after_step([], [], [], running, None)
+        k_hint, caps = prop.calls[-1]
+        assert k_hint > 0  # never off: speculation pays here, K = 0 is only ever explored
+        kinds.add((k_hint, tuple(caps)))
+        if caps == [0, 0]:
+            assert decision % EXPLORE_EVERY == 0  # no drafts only on an exploring decision
+    assert kinds == {(1, (1, 1)), (1, (0, 0))}  # drafts, and the explored K = 0: followed, without drafts
+    c.record_step(2, 0.001, overlapped=True)  # now K = 0 is far cheaper: off, for real
+    c.num_decisions = 1
+    spec.after_step([], [], [], running, None)
+    assert prop.calls[-1][0] == 0
+
+
 def test_controller_keeps_drafts_within_the_room_left():
     """`room`: the most drafts the step can take in all. A K whose drafts do not fit is not a candidate, for the
     decision and for the optimistic hint alike; a fixed K is the user's and ignores it."""

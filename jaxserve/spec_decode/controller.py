@@ -98,6 +98,7 @@ class SpecController:
         self.num_decisions = 0  # choose_k calls that decided a step (not optimistic hints)
         self._measured_at: dict[tuple[bool, int], int] = {}  # (overlapped, bucket) -> num_decisions when last timed
         self._k0_until = 0  # decisions up to this one choose K = 0 (re-measuring its stale cost)
+        self.exploring = False  # the last choose_k's K is one it explores, not the one its estimates prefer
         self.recent_waits = 0.0  # decayed counts: waits for a step in flight (`wait_for`) ...
         self.recent_waits_speculated = 0.0  # ... and those whose decision then speculated
 
@@ -151,9 +152,11 @@ class SpecController:
         decision = self.num_decisions + 1
         if not optimistic:
             self.num_decisions = decision
+        self.exploring = False
         if not self.adaptive or not draft_lens:
             return self.k_max
         if decision <= self._k0_until:
+            self.exploring = True
             return 0  # measuring no speculation again (below)
         k_top = min(self.k_max, max(draft_lens))
         if room is not None:
@@ -169,10 +172,12 @@ class SpecController:
             # step it cannot be built behind the one before, so the next decision is K = 0 as well (built behind)
             if not optimistic:
                 self._k0_until = decision + 1
+            self.exploring = True
             return 0
         if decision % EXPLORE_EVERY == 0 and len(values) > 1:
             runner_up = max((k for k in range(len(values)) if k != best_k), key=lambda k: values[k])
             if values[runner_up] >= (1 - EXPLORE_MAX_LOSS) * values[best_k]:
+                self.exploring = True
                 return runner_up
         return best_k
 

@@ -140,8 +140,13 @@ class Speculator:
         if type(self.proposer).after_step is Proposer.after_step:
             return  # the no-op hook: skip the controller's next-step hint too (a pass over the running sequences)
         k_hint = self._k_hint(running, waiting)
-        self.proposer.after_step(work, starts, ends, hidden, self.draft_cap if draft or not k_hint else _no_drafts,
-                                 k_hint)
+        draft_cap = self.draft_cap if draft or not k_hint else _no_drafts
+        if k_hint == 0 and self.controller.exploring:
+            # a K = 0 the controller only explores (or re-measures): the head follows the step but drafts nothing.
+            # Off (k_hint = 0) ends speculation for good for every running sequence (`spec_disabled`), so each
+            # exploring decision that tried K = 0 used to switch an EAGLE-3 head off for the requests in flight.
+            draft_cap, k_hint = _no_drafts, 1
+        self.proposer.after_step(work, starts, ends, hidden, draft_cap, k_hint)
 
     def _k_hint(self, running: list[Sequence], waiting: list[Sequence]) -> int:
         """The K the controller would choose for a next step made of the running sequences as they are now, each
