@@ -117,6 +117,9 @@ class LLMEngine:
         self.async_scheduling = bool(cfg.async_scheduling)
         self._in_flight: _Pending | None = None  # async scheduling: the step dispatched and not landed yet
         self._last_landed = 0.0  # perf_counter when the last step landed
+        # a drafting-ahead proposer's run after the last step landed while the next was in flight behind it: it fell
+        # in that next step's period (`_land`)
+        self._proposer_seconds_behind = 0.0
         self.num_overlapped_steps = 0  # steps the next one was scheduled behind (async scheduling)
         # Profiling: when a list, one record per landed step (`_trace_step`); AsyncLLM fills it with
         # JAXSERVE_STEP_TRACE=path and writes it as JSON lines.
@@ -450,14 +453,22 @@ class LLMEngine:
             outputs = self._process(work, out, failed, launched.hidden)  # an EAGLE-3 head drafts in here
         if not behind:
             run_seconds += time.perf_counter() - now
+        # The proposer's share of the period (an EAGLE-3 head's catch-up and drafting in `after_step`): its run
+        # after the step before landed, if this step was built behind that one, and its run after this step, unless
+        # the next step is in flight behind it (then that one's period holds it).
+        proposer_seconds = self._proposer_seconds_behind if overlapped else 0.0
+        own = 0.0 if self.spec is None else self.spec.take_proposer_seconds()
+        self._proposer_seconds_behind = own if behind else 0.0
+        proposer_seconds += 0.0 if behind else own
         # A period that included compiling (this step's executables, the proposer's, or those of the next step,
         # built while this one ran) says nothing about what the step costs.
         timed = timed and self._num_compiles() == launched.compiles_at_begin
         if self.spec is not None and timed:
-            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds, overlapped)
+            self.spec.record_step(steps[0][0], sum(w.num_tokens for w in work), run_seconds, overlapped,
+                                  num_drafts=sum(w.num_draft for w in work), proposer_seconds=proposer_seconds)
         if self.step_trace is not None:
             accepted = sum(self.spec.metrics.num_accepted) - accepted if trace_accepted else 0
-            self._trace_step(launched, run_seconds, accepted, timed, overlapped, gap)
+            self._trace_step(launched, run_seconds, accepted, timed, overlapped, gap, proposer_seconds)
         return outputs
 
     def _num_compiles(self) -> int:
@@ -465,10 +476,10 @@ class LLMEngine:
         return self.runner.num_compiles + (0 if self.spec is None else self.spec.proposer.num_compiles)
 
     def _trace_step(self, launched: _Launched, run_seconds: float, accepted: int, timed: bool,
-                    overlapped: bool, gap: float) -> None:
+                    overlapped: bool, gap: float, proposer_seconds: float) -> None:
         """One landed step's record: when it was dispatched, its period (`run_seconds`, as `_land` times it for the
         controller; `timed`: the controller got it), its padded size, its mix of decodes and prompt tokens, and the
-        drafts it verified and accepted."""
+        drafts it verified and accepted; `proposer_seconds`: the proposer's share of the period (`_land`)."""
         work = launched.work
         decodes = [w for w in work if w.completes_sequence and w.num_tokens - w.num_draft == 1]
         self.step_trace.append(dict(
@@ -476,7 +487,8 @@ class LLMEngine:
             tokens=sum(w.num_tokens for w in work), decodes=len(decodes), drafts=sum(w.num_draft for w in work),
             prefill=sum(w.num_tokens for w in work) - sum(1 + w.num_draft for w in decodes), accepted=accepted,
             waiting=len(self.scheduler.waiting), overlapped=overlapped, advanced=launched.advanced, timed=timed,
-            spec_k=launched.spec_k, spec_hint=launched.spec_hint, gap_ms=1e3 * gap))
+            spec_k=launched.spec_k, spec_hint=launched.spec_hint, gap_ms=1e3 * gap,
+            proposer_ms=1e3 * proposer_seconds))
 
     def _microbatches(self, work: list[ScheduledWork]) -> list[list[ScheduledWork]]:
         """The step's work as the runner's micro-batches: one group, or under pipeline parallelism up to one per

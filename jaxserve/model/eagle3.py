@@ -21,12 +21,14 @@ position p with the token at p + 1 and runs the pair at position p (vLLM's conve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve import attention, ops
 from jaxserve.batch import StepInputs
@@ -91,7 +93,29 @@ def fuse_features(cfg: Eagle3Config, w: Eagle3Weights, features: jax.Array) -> j
     elif w.fc_chunk_norm is not None:
         T, D = features.shape[0], cfg.layer.hidden_size
         features = rms_norm(features.reshape(T, 3, D), w.fc_chunk_norm, eps).reshape(T, 3 * D)
-    return features @ w.fc
+    return _mm(features, w.fc)
+
+
+def _mm(x: jax.Array, w) -> jax.Array:
+    """x @ w: the native CPU matmul for a weight the proposer packed (`pack_head`), else the plain product (training
+    and the XLA path multiply the arrays as they are)."""
+    return ops.linear(x, w) if isinstance(w, ops.PackedLinear) else x @ w
+
+
+def pack_head(w: Eagle3Weights) -> Eagle3Weights:
+    """Host-side, once: the head's linear maps packed for the native CPU matmul (q, k, v and gate, up side by side,
+    as the target's), in bfloat16 when every value of a map is one (a head exported in bfloat16, as the shipped one
+    is, and loaded into float32: the same values in half the bytes), else in float32. Its decode passes then read
+    half the bytes a float32 XLA dot reads, through the kernels the target uses."""
+    def narrow(a):
+        a = np.asarray(a, np.float32)
+        b = a.astype(jnp.bfloat16)
+        return b if np.array_equal(b.astype(np.float32), a) else a
+
+    out = {f: ops.pack_linear(narrow(getattr(w, f))) for f in ("fc", "wo", "w_down", "lm_head")}
+    for fields in (("wq", "wk", "wv"), ("w_gate", "w_up")):
+        out.update(zip(fields, ops.pack_linears([narrow(getattr(w, f)) for f in fields])))
+    return dataclasses.replace(w, **out)
 
 
 def head_qkv(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, h: jax.Array, tokens: jax.Array,
@@ -105,16 +129,20 @@ def head_qkv(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, h: jax.Array
     x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), w.embed_norm, eps), h_normed], axis=-1)  # [M, 2D]
     residual = h_normed if cfg.norm_before_residual else h
     inv_freq = jnp.asarray(rope_inv_freq(c))
-    q = apply_rope((x @ w.wq).reshape(M, N, H), positions, inv_freq)
-    k = apply_rope((x @ w.wk).reshape(M, K, H), positions, inv_freq)
-    return q, k, (x @ w.wv).reshape(M, K, H), residual
+    if isinstance(w.wq, (ops.PackedLinear, ops.FusedLinear)):  # packed (`pack_head`): one matmul when fused
+        q, k, v = ops.linears(x, w.wq, w.wk, w.wv)
+    else:
+        q, k, v = x @ w.wq, x @ w.wk, x @ w.wv
+    q = apply_rope(q.reshape(M, N, H), positions, inv_freq)
+    k = apply_rope(k.reshape(M, K, H), positions, inv_freq)
+    return q, k, v.reshape(M, K, H), residual
 
 
 def head_output(cfg: Eagle3Config, w: Eagle3Weights, residual: jax.Array, o: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The layer after attention. residual f[M, D], attention output o f[M, N*H] -> (next_hidden f[M, D],
     normed f[M, D]). Shared with training."""
     eps = cfg.layer.rms_norm_eps
-    h1 = residual + o @ w.wo
+    h1 = residual + _mm(o, w.wo)
     with jax.named_scope("eagle3_mlp"):
         out = h1 + gated_mlp(rms_norm(h1, w.mlp_norm, eps), w.w_gate, w.w_up, w.w_down)
     normed = rms_norm(out, w.final_norm, eps)
@@ -150,6 +178,8 @@ def eagle3_forward(
 
 def draft_logits(w: Eagle3Weights, normed: jax.Array) -> jax.Array:
     """normed: f[R, D] -> f32[R, Vd] over the draft vocabulary."""
+    if isinstance(w.lm_head, ops.PackedLinear):
+        return ops.linear(normed, w.lm_head).astype(jnp.float32)
     return jnp.einsum("rd,dv->rv", normed, w.lm_head, preferred_element_type=jnp.float32)
 
 

@@ -55,7 +55,14 @@ from jaxserve.batch import Bucket, ScheduledSeq, StepInputs, build_step_inputs, 
 from jaxserve.config import EngineConfig, ModelConfig, SpeculativeConfig, kv_storage_dtype
 from jaxserve.kv_cache import KVCache, init_kv_cache
 from jaxserve.loader.eagle3 import load_eagle3
-from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights, draft_logits, eagle3_forward, greedy_target_ids
+from jaxserve.model.eagle3 import (
+    Eagle3Config,
+    Eagle3Weights,
+    draft_logits,
+    eagle3_forward,
+    greedy_target_ids,
+    pack_head,
+)
 from jaxserve.packing import Layout
 from jaxserve.runner import ProposerRunner
 from jaxserve.spec_decode.proposer import Proposer
@@ -144,10 +151,12 @@ class Eagle3Proposer(Proposer):
             )
         kv_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, engine_cfg.dtype)
         kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages, engine_cfg.page_size, kv_dtype)
-        # the head's attention runs on the target's kernels (its linear maps follow its weights: unpacked, XLA dots)
+        # the head runs on the target's kernels: attention, and its linear maps packed as the target's (`pack_head`)
         # On a tensor-parallel target the head runs replicated on the target's devices, beside the features and the
         # (vocabulary-sharded) embedding it reads there; its attention is not split by heads.
         backends = dataclasses.replace(runner.backends, mesh=None)
+        if backends.matmul == "native":  # the target's kernels for the head's linear maps too
+            host = pack_head(host)
         fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size, backends)
         self.runner = ProposerRunner(fn, host, kv, shared=runner.head_embed, sharding=runner._replicated)
         self._layouts: dict[Bucket, Layout] = {}
