@@ -256,7 +256,7 @@ def test_a_step_whose_period_saw_a_compile_is_not_timed(path, monkeypatch):
 
     periods, record = [], eng.spec.record_step
     monkeypatch.setattr(runner, "executable", slow_compile)
-    monkeypatch.setattr(eng.spec, "record_step", lambda b, n, s, o: periods.append(s) or record(b, n, s, o))
+    monkeypatch.setattr(eng.spec, "record_step", lambda b, n, s, o, **kw: periods.append(s) or record(b, n, s, o, **kw))
     prompts, params = _repetitive_workload()
     llm.generate(prompts, params, use_tqdm=False)
     assert runner.num_compiles >= 3 and eng.num_overlapped_steps > 0
