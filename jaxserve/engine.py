@@ -456,10 +456,9 @@ class LLMEngine:
         # The proposer's share of the period (an EAGLE-3 head's catch-up and drafting in `after_step`): its run
         # after the step before landed, if this step was built behind that one, and its run after this step, unless
         # the next step is in flight behind it (then that one's period holds it).
-        proposer_seconds = self._proposer_seconds_behind if overlapped else 0.0
         own = 0.0 if self.spec is None else self.spec.take_proposer_seconds()
+        proposer_seconds = (self._proposer_seconds_behind if overlapped else 0.0) + (0.0 if behind else own)
         self._proposer_seconds_behind = own if behind else 0.0
-        proposer_seconds += 0.0 if behind else own
         # A period that included compiling (this step's executables, the proposer's, or those of the next step,
         # built while this one ran) says nothing about what the step costs.
         timed = timed and self._num_compiles() == launched.compiles_at_begin
