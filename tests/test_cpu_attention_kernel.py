@@ -200,6 +200,23 @@ def test_a_verify_window_is_computed_bit_for_bit_as_decode_steps(kv_dtype, windo
     assert_matches(batch, reference.attend(*args, sm_scale=sm_scale, **kw), "float32")
 
 
+@pytest.mark.skipif(not AVX512, reason="the batch-invariant decode path needs AVX-512")
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["G1", "G3", "G4"])
+def test_a_lone_decode_split_over_kv_heads_equals_it_in_a_batch(kv_dtype, heads):
+    """A step with fewer tokens than threads runs each kv head of a decode token as a task of its own (`MakeTasks`);
+    the token's bits are those it gets among other decodes (one task per token), and match the reference."""
+    args, sm_scale = make_case((1,) * 6, (200, 17, 33, 64, 100, 5), num_q_heads=heads[0], num_kv_heads=heads[1],
+                               kv_dtype=kv_dtype)
+    q, k, v, tables, seq, pos, is_real, ks, vs = args
+    attend = jax.jit(lambda *a: native.attend(*a, sm_scale=sm_scale))
+    batch = np.asarray(attend(*args))
+    for t in range(6):
+        alone = attend(q[t:t + 1], k, v, tables, seq[t:t + 1], pos[t:t + 1], is_real[t:t + 1], ks, vs)
+        assert np.array_equal(np.asarray(alone)[0], batch[t]), f"decode token {t} alone differs from the batch's"
+    assert_matches(batch, reference.attend(*args, sm_scale=sm_scale), "float32")
+
+
 def test_runs_inside_scan_over_a_stacked_cache():
     """As the model calls it: one pool of L*P pages, block tables offset by layer * P, inside lax.scan."""
     args, sm_scale = make_case((5, 1, 1), (40, 33, 8), num_tokens=8, num_q_heads=9, num_kv_heads=3)

@@ -34,7 +34,7 @@ from jaxserve import attention, ops
 from jaxserve.batch import StepInputs
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
-from jaxserve.model.layers import apply_rope, argmax, gated_mlp, rms_norm, rope_inv_freq
+from jaxserve.model.layers import apply_rope, argmax, gated_mlp, rms_norm, rope_inv_freq, rope_tables
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,13 +128,13 @@ def head_qkv(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, h: jax.Array
     h_normed = rms_norm(h, w.hidden_norm, eps)
     x = jnp.concatenate([rms_norm(embed[tokens].astype(h.dtype), w.embed_norm, eps), h_normed], axis=-1)  # [M, 2D]
     residual = h_normed if cfg.norm_before_residual else h
-    inv_freq = jnp.asarray(rope_inv_freq(c))
+    rope = rope_tables(positions, jnp.asarray(rope_inv_freq(c)))
     if isinstance(w.wq, (ops.PackedLinear, ops.FusedLinear)):  # packed (`pack_head`): one matmul when fused
         q, k, v = ops.linears(x, w.wq, w.wk, w.wv)
     else:
         q, k, v = x @ w.wq, x @ w.wk, x @ w.wv
-    q = apply_rope(q.reshape(M, N, H), positions, inv_freq)
-    k = apply_rope(k.reshape(M, K, H), positions, inv_freq)
+    q = apply_rope(q.reshape(M, N, H), rope)
+    k = apply_rope(k.reshape(M, K, H), rope)
     return q, k, v.reshape(M, K, H), residual
 
 

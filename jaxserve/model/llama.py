@@ -23,7 +23,7 @@ from jaxserve import attention, ops, sharding
 from jaxserve.batch import StepInputs
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, write_kv
-from jaxserve.model.layers import apply_rope, gated_mlp, linear, linears, rms_norm, rope_inv_freq
+from jaxserve.model.layers import apply_rope, gated_mlp, linear, linears, rms_norm, rope_inv_freq, rope_tables
 from jaxserve.quant import QuantizedLinear
 
 
@@ -187,8 +187,9 @@ def pack_linear_weights(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=layers, lm_head=ops.pack_linear(head))
 
 
-def _attention_block(cfg: ModelConfig, w: LayerWeights, x, positions, inv_freq, invariant: bool = False):
-    """Pre-norm projections and RoPE. x: f[T, D] -> q f[T, N, H], k/v f[T, K, H]. `invariant`: see `rms_norm`."""
+def _attention_block(cfg: ModelConfig, w: LayerWeights, x, rope, invariant: bool = False):
+    """Pre-norm projections and RoPE (`rope`: the step's `rope_tables`). x: f[T, D] -> q f[T, N, H], k/v f[T, K, H].
+    `invariant`: see `rms_norm`."""
     T = x.shape[0]
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps, invariant)
@@ -199,7 +200,7 @@ def _attention_block(cfg: ModelConfig, w: LayerWeights, x, positions, inv_freq, 
     if w.q_norm is not None:
         q = rms_norm(q, w.q_norm, cfg.rms_norm_eps, invariant)
         k = rms_norm(k, w.k_norm, cfg.rms_norm_eps, invariant)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return apply_rope(q, rope), apply_rope(k, rope), v
 
 
 def forward(
@@ -225,7 +226,7 @@ def forward(
     """
     if backends is None:
         backends = ops.Backends.default(packed_weights=isinstance(weights.lm_head, ops.PackedLinear))
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    rope = rope_tables(inputs.positions, jnp.asarray(rope_inv_freq(cfg)))  # once for every layer
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     # The native CPU step is batch-invariant bit for bit (README, *Batch invariance*): its norms too. Not under a
     # tensor-parallel mesh, whose partitioner would have to place the custom call.
@@ -242,7 +243,7 @@ def forward(
         if hidden_layer_ids:  # keep only the chosen layers' inputs: [n, T, D], not every layer's
             hidden = jnp.where((ids == i)[:, None, None], x[None], hidden)
         with jax.named_scope("attention"):
-            q, k, v = _attention_block(cfg, w, x, inputs.positions, inv_freq, invariant)
+            q, k, v = _attention_block(cfg, w, x, rope, invariant)
             kv = write_kv(kv, i, k, v, inputs.slot_mapping)
             o = attention.ragged_paged_attention(q, kv, i, inputs, meta, sm_scale=sm_scale, backends=backends)
             h = x + linear(o.reshape(x.shape[0], -1), w.wo)
