@@ -842,8 +842,8 @@ void RunTask(const Problem& p, const Task& task, Workspace& ws) {
   ws.kpos.resize(C);
   ws.row_j0.resize(R);
   ws.row_j1.resize(R);
-  for (int64_t kv = task.kv0; kv < task.kv1; ++kv) {  // queries in f32 times sm_scale, like the reference; zero-
-    // padded to Hp
+  // Queries in f32 times sm_scale, like the reference; zero-padded to Hp.
+  for (int64_t kv = task.kv0; kv < task.kv1; ++kv) {
     for (int64_t r = 0; r < R; ++r) {
       const int64_t src = ((task.t0 + r / G) * p.N + kv * G + r % G) * H;
       float* dst = &ws.qf[(kv * R + r) * Hp];
