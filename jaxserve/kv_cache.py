@@ -11,6 +11,7 @@ scales (None).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -93,6 +94,12 @@ def write_kv(
     page, offset = slot_mapping // page_size, slot_mapping % page_size
 
     def put(cache, x):
+        if (os.environ.get("JAXSERVE_KV_WRITE") == "native" and jnp.issubdtype(cache.dtype, jnp.floating)
+                and cache.dtype.itemsize < 4):  # WIP (stop 44): XLA:CPU upcasts the whole cache to scatter these
+            from cpu_kernels import kv_write
+
+            if kv_write.load():
+                return kv_write.kv_write(cache, x, layer, slot_mapping)
         return cache.at[layer, page, offset].set(x.astype(cache.dtype), mode="promise_in_bounds")
 
     if not kv.quantized:
