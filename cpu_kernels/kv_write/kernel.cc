@@ -1,5 +1,6 @@
-// WIP (stop 44): one layer's new KV rows into the paged cache, in place (the cache operand aliases the result).
-// XLA:CPU scatters bf16 / fp8 by converting the whole cache to f32 and back; this copies bytes instead.
+// One layer's new KV rows into the paged cache, in place: the cache operand aliases the result (`__init__.py`).
+// XLA:CPU scatters bf16 / f16 / fp8 by converting the whole cache to f32 and back; this copies each row's bytes
+// into its slot (any dtype: the rows arrive in the cache's dtype). Slots outside the layer are not written.
 #include <cstdint>
 #include <cstring>
 
