@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels import kv_write as _cpu_kv_write
 from cpu_kernels import matmul as _cpu_matmul
 from cpu_kernels import ragged_paged_attention as _cpu_rpa
 from cpu_kernels import row_stats as _cpu_row_stats
@@ -287,6 +288,16 @@ row_stats = _cpu_row_stats.row_stats
 # x f32[R, D] -> each row's sum of squares in a fixed order whatever R (one native CPU pass; XLA's sum when the
 # library cannot be built): RMSNorm's reduction when the step runs the native CPU kernels (`layers.rms_norm`)
 row_sum_squares = _cpu_row_stats.sum_squares
+
+
+# --- the KV write -----------------------------------------------------------------------------------------------
+
+
+def native_kv_write(cache: jax.Array, rows: jax.Array, layer: jax.Array, slots: jax.Array) -> jax.Array | None:
+    """rows [T, K, H] into cache [L, P, ps, K, H] at (layer, slots[t]) by the native in-place copy
+    (`cpu_kernels.kv_write`), or None when the library cannot be built (the caller scatters). For the cache dtypes
+    XLA:CPU cannot scatter in place (bf16, f16, fp8: `kv_cache.write_kv`)."""
+    return _cpu_kv_write.kv_write(cache, rows, layer, slots) if _cpu_kv_write.load() else None
 
 
 # --- KV quantization ------------------------------------------------------------------------------------------

@@ -377,19 +377,22 @@ def test_prompt_logprobs_match_hf(llm, tiny):
         assert [t for t in entry if entry[t].rank in (1, 2)][:2] == top2
 
 
-def test_kv_cache_is_never_copied(tiny):
-    """The donated cache is updated in place: no compiled bucket copies it (a copy per step would double memory
-    traffic; XLA inserts one when it cannot prove in-place updates safe)."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float16", "fp8", "int8"])
+def test_kv_cache_is_never_copied(tiny, kv_cache_dtype):
+    """The donated cache is updated in place: no compiled bucket copies or converts it (a copy per step would double
+    memory traffic; XLA inserts one when it cannot prove in-place updates safe; and XLA:CPU scattered bf16 / f16 /
+    fp8 caches by converting them to f32 and back in every layer, a step ~400x slower, until the native KV write)."""
     import re
 
-    llm = LLM(tiny[0], max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64, precompile=False)
+    llm = LLM(tiny[0], max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64, precompile=False,
+              kv_cache_dtype=kv_cache_dtype)
     r = llm.llm_engine.runner
     L, P, ps, K, H = r.kv.k.shape
-    shapes = {f"f32[{L},{P},{ps},{K},{H}]", f"f32[{L * P},{ps},{K},{H}]"}
+    shapes = {f"[{L},{P},{ps},{K},{H}]", f"[{L * P},{ps},{K},{H}]"}
     for b in r.all_buckets():
         hlo = r.executable(b).as_text()
-        copies = [m for m in re.findall(r"= (f32\[[\d,]+\])\S* copy\(", hlo) if m in shapes]
-        assert not copies, f"{b}: the KV cache is copied {len(copies)} times"
+        copies = [m for m in re.findall(r"= \w+(\[[\d,]+\])\S* (?:copy|convert)\(", hlo) if m in shapes]
+        assert not copies, f"{b}: the KV cache is copied or converted {len(copies)} times"
 
 
 def test_engine_moves_its_startup_heap_out_of_the_garbage_collector(tiny):

@@ -244,7 +244,7 @@ def forward(
             hidden = jnp.where((ids == i)[:, None, None], x[None], hidden)
         with jax.named_scope("attention"):
             q, k, v = _attention_block(cfg, w, x, rope, invariant)
-            kv = write_kv(kv, i, k, v, inputs.slot_mapping)
+            kv = write_kv(kv, i, k, v, inputs.slot_mapping, native=invariant)
             o = attention.ragged_paged_attention(q, kv, i, inputs, meta, sm_scale=sm_scale, backends=backends)
             h = x + linear(o.reshape(x.shape[0], -1), w.wo)
         with jax.named_scope("mlp"):
