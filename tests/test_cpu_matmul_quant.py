@@ -204,6 +204,60 @@ def test_rows_are_batch_invariant(fmt):
         np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[i : i + 1]), packed)), full[i : i + 1])
 
 
+@pytest.mark.parametrize("fmt", FORMATS + ("f32",))
+def test_chains_of_decode_products_from_concurrent_callers(fmt):
+    """Decode-sized products (1 and 4 rows) back to back, as a step runs them, each split over the threads whatever
+    its size (1 to 31 panels here). Two Python threads run the chain at once (their products' tasks share the
+    thread pool) many times; every result equals the chain's products run one at a time, bit for bit, and the
+    float64 reference."""
+    import threading
+
+    shapes = [(128, 224), (224, 64), (64, 992), (992, 128), (128, 32), (32, 128)]  # 7, 2, 31, 4, 1, 4 panels
+    weights = []
+    for i, (K, N) in enumerate(shapes * 3):
+        if fmt == "f32":
+            w = (np.random.default_rng(i).standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+            weights.append((native.pack(w), w))
+        else:
+            weights.append(_weight(fmt, K, N, group=32, seed=i))
+
+    def chain(ws, x):
+        for w in ws:
+            x = jnp.tanh(native.matmul(x, w))
+        return x
+
+    step = jax.jit(lambda x, w: jnp.tanh(native.matmul(x, w)))
+
+    def one_at_a_time(x):
+        ref = x.astype(np.float64)
+        for packed, w in weights:
+            x = np.asarray(step(jnp.asarray(x), packed))
+            ref = np.tanh((np.asarray(native.activations(jnp.asarray(ref.astype(np.float32)), fmt)).astype(np.float64)
+                           if fmt != "f32" else ref) @ w.astype(np.float64))
+        return x, ref
+
+    f = jax.jit(chain)
+    packed = [w for w, _ in weights]
+    inputs = [np.random.default_rng(100 + m).standard_normal((m, 128)).astype(np.float32) for m in (1, 4)]
+    expected = [one_at_a_time(x) for x in inputs]
+    for (want, ref) in expected:
+        np.testing.assert_allclose(want, ref, rtol=2e-2 if fmt != "f32" else 1e-4, atol=2e-2 if fmt != "f32" else 1e-5)
+    failures = []
+
+    def run(x, want):
+        for _ in range(20):
+            got = np.asarray(f(packed, jnp.asarray(x)))
+            if not np.array_equal(got, want):
+                failures.append(np.abs(got - want).max())
+
+    threads = [threading.Thread(target=run, args=(x, want)) for x, (want, _) in zip(inputs, expected)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+
+
 @pytest.mark.parametrize("fmt,K,G,zeros", CASES)
 def test_unpack_equals_numpy_dequantization(fmt, K, G, zeros):
     """`unpack` (the reference and the fallback), jitted or not, is exactly the numpy dequantization: the f32 product

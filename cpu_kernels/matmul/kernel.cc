@@ -59,7 +59,14 @@
 //     1.15x, batch 16 0.99x (products of more than 4 rows wait as before). A helper thread of our own that spun
 //     between products (instead of XLA's pool) measured slower end to end (gguf batch 1 ~200 vs ~300 tok/s): it
 //     took the second core from the host thread and XLA's own workers. The attention kernel's caller spinning
-//     likewise measured no gain (3 alternating rounds, batch 1 and 16), so it still waits on a condition variable.
+//     likewise measured no gain (3 alternating rounds, batch 1 and 16), so it still waits on a condition variable;
+//   * (2026-12-06, Intel Xeon VM) for M <= 4, a contiguous range of panels per thread (the others' last panels
+//     taken at the end) and a helper that stays 10-50 us after its share, polling a one-slot mailbox the next
+//     product posts to instead of pool.Schedule (which held the caller ~3 us per product, instrumented): a chain of
+//     the 150-layer int4 model's 600 products per step (no attention) 1.13-1.39x, paired in one process; the
+//     engine's batch-1 decode of that model 1.00-1.06x (4 paired runs, 10 rounds each), inside the noise: the
+//     lingering helper's polling (14% of perf samples) took the core from the host thread and the attention
+//     kernel's workers. Cold M = 1 products cost ~6.7 us + bytes / 21 GB/s each (576 x 576 .. 1536 x 3072).
 //
 // Targets (inputs; the output is y f32[M, N], N its second dimension):
 //   JaxserveMatmul      x f32[M, K], w f32[P, K, 32]
