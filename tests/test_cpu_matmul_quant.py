@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -210,8 +211,6 @@ def test_chains_of_decode_products_from_concurrent_callers(fmt):
     its size (1 to 31 panels here). Two Python threads run the chain at once (their products' tasks share the
     thread pool) many times; every result equals the chain's products run one at a time, bit for bit, and the
     float64 reference."""
-    import threading
-
     shapes = [(128, 224), (224, 64), (64, 992), (992, 128), (128, 32), (32, 128)]  # 7, 2, 31, 4, 1, 4 panels
     weights = []
     for i, (K, N) in enumerate(shapes * 3):
