@@ -84,10 +84,10 @@ def write_kv(
     native: bool = False,
 ) -> KVCache:
     """Scatter one layer's new keys/values (quantized on the way in, if the cache is) into their slots, in place
-    when the cache is donated. `native` (the engine's native CPU step on one device: `backends.native_cpu and
-    backends.mesh is None`): bf16 / f16 / fp8 slots are written by the native in-place copy (`cpu_kernels.kv_write`),
-    because XLA:CPU scatters those dtypes by converting the whole cache to f32 and back around every layer (a bf16
-    cache made a SmolLM2 decode step ~3.7 s instead of ~5 ms)."""
+    when the cache is donated. `native` (`backends.native_single_device`: the engine's native CPU step on one
+    device): bf16 / f16 / fp8 slots are written by the native in-place copy (`cpu_kernels.kv_write`), because XLA:CPU
+    scatters those dtypes by converting the whole cache to f32 and back around every layer (a bf16 cache made a
+    SmolLM2 decode step ~3.7 s instead of ~5 ms)."""
     page_size = kv.k.shape[2]
     # One extra write into the sink slot (page 0, offset 0) keeps this a scatter even for a single token. XLA
     # turns a one-element scatter into a dynamic-update-slice, and for that form XLA:CPU copied the whole cache

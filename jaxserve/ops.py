@@ -71,6 +71,12 @@ class Backends:
         per-row maximum, argmax and normaliser then run natively too (`cpu_kernels.row_stats`)."""
         return self.attention == "native"
 
+    @property
+    def native_single_device(self) -> bool:
+        """The native CPU kernels on one device: the step may also run its norms' reductions and its KV write as
+        custom calls (under a tensor-parallel mesh the partitioner would have to place them)."""
+        return self.native_cpu and self.mesh is None
+
     @classmethod
     def default(cls, *, packed_weights: bool = False) -> Backends:
         """For callers that run the model without an engine (training, tests): attention as a default `EngineConfig`

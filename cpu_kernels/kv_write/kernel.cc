@@ -18,12 +18,12 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer cache, ffi::AnyBuffer rows, ffi::Buffer<ff
       rd[2] != cd[4] || slots.element_count() != static_cast<size_t>(rd[0])) {
     return ffi::Error::InvalidArgument("kv_write: cache [L, P, ps, K, H], rows [T, K, H] of its dtype, slots [T]");
   }
-  char* dst = static_cast<char*>(out->untyped_data());
-  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), cache.size_bytes());  // not aliased
   const int64_t L = cd[0], slots_per_layer = cd[1] * cd[2];
-  const size_t row_bytes = rows.size_bytes() / (rd[0] > 0 ? rd[0] : 1);
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("kv_write: layer out of range");
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != cache.untyped_data()) std::memcpy(dst, cache.untyped_data(), cache.size_bytes());  // not aliased
+  const size_t row_bytes = rows.size_bytes() / (rd[0] > 0 ? rd[0] : 1);
   const char* src = static_cast<const char*>(rows.untyped_data());
   for (int64_t t = 0; t < rd[0]; ++t) {
     const int64_t s = slots.typed_data()[t];

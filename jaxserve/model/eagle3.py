@@ -168,7 +168,7 @@ def eagle3_forward(
     with jax.named_scope("eagle3_attention"):
         q, k, v, residual = head_qkv(cfg, w, embed, h, inputs.token_ids, inputs.positions)
         layer = jnp.zeros((), jnp.int32)
-        native = backends is not None and backends.native_cpu and backends.mesh is None  # see `write_kv`
+        native = backends is not None and backends.native_single_device  # see `write_kv`
         kv = write_kv(kv, layer, k, v, inputs.slot_mapping, native=native)
         meta = attention.token_metadata(inputs)
         o = attention.ragged_paged_attention(q, kv, layer, inputs, meta, sm_scale=1.0 / math.sqrt(cfg.layer.head_dim),

@@ -230,7 +230,7 @@ def forward(
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     # The native CPU step is batch-invariant bit for bit (README, *Batch invariance*): its norms too. Not under a
     # tensor-parallel mesh, whose partitioner would have to place the custom call.
-    invariant = backends.native_cpu and backends.mesh is None
+    invariant = backends.native_single_device
     if x is None:
         x = sharding.vocab_lookup(backends.mesh, weights.embed, inputs.token_ids)  # [T, D]
     meta = attention.token_metadata(inputs)
