@@ -127,6 +127,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram looked up in the sequence's own tokens
     prompt_lookup_min: int = 1  # ngram: shortest
     adaptive: bool = True  # choose K per step from measured step cost and acceptance (never slower than K = 0)
+    # The drafter's weight scheme (vLLM's key; one of QUANTIZATION_SCHEMES). None: the target's (a draft model beside
+    # a GGUF target picks its own; an EAGLE-3 head's linear maps are then int8: `spec_decode.eagle3.head_scheme`).
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -140,6 +143,15 @@ class SpeculativeConfig:
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model (the draft model's path) is required for method 'draft_model'")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATION_SCHEMES:
+                raise ValueError(f"speculative_config.quantization must be one of {', '.join(QUANTIZATION_SCHEMES)} "
+                                 f"(got {self.quantization!r})")
+            if self.method == "ngram":
+                raise ValueError("speculative_config.quantization: method 'ngram' has no weights to quantize")
+            if self.method == "eagle3" and self.quantization == "gguf":
+                raise ValueError("speculative_config.quantization 'gguf' keeps a GGUF file's blocks; an EAGLE-3 head "
+                                 "is not a GGUF file: choose none, bf16, int8, int4 or int4-g64")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max "

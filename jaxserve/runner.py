@@ -104,13 +104,19 @@ def prepare_weights(host_weights: Weights, backends: ops.Backends, scan_layers: 
     linear maps packed for the native CPU kernel or tagged with the kernel that multiplies them."""
     if not scan_layers:
         host_weights = unstack_layers(host_weights)
-    if backends.matmul == "native":
+    kernel = linear_kernel(backends)
+    if kernel == "native":
         return pack_linear_weights(host_weights)
-    if backends.matmul == "pallas":
-        return quant.with_kernel(host_weights, "pallas")
-    if jax.default_backend() == "cpu":  # XLA dots with the native kernel's semantics (tp, or no g++)
-        return quant.with_kernel(host_weights, "xla-q8")
-    return host_weights
+    return host_weights if kernel == "xla" else quant.with_kernel(host_weights, kernel)
+
+
+def linear_kernel(backends: ops.Backends) -> str:
+    """What multiplies the linear maps on `backends`: "native" (packed for the native CPU matmul), else the
+    `QuantizedLinear.kernel` of quantized maps: "pallas", "xla-q8" (XLA dots with the native kernel's semantics, on
+    the CPU: tp, or no g++) or "xla"."""
+    if backends.matmul in ("native", "pallas"):
+        return backends.matmul
+    return "xla-q8" if jax.default_backend() == "cpu" else "xla"
 
 
 def compile_step(

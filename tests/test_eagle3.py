@@ -23,8 +23,9 @@ from jaxserve.kv_cache import init_kv_cache
 from jaxserve.loader import load_checkpoint
 from jaxserve.loader.eagle3 import load_eagle3, read_eagle3_config
 from jaxserve.loader.weights import to_weights
-from jaxserve.model.eagle3 import draft_logits, eagle3_forward, greedy_target_ids, pack_head
+from jaxserve.model.eagle3 import draft_logits, eagle3_forward, greedy_target_ids, store_head
 from jaxserve.model.llama import forward
+from jaxserve.quant import QuantizedLinear, quantize_int8
 
 V, D, F, NH, NKV, L = 300, 64, 160, 4, 2, 5
 HD = D // NH
@@ -187,23 +188,29 @@ FLAG_SETS = [
 
 @pytest.mark.parametrize("flags", FLAG_SETS, ids=["plain", "norm_before_fc+residual", "fc_norm+norm_output"])
 @pytest.mark.parametrize("fmt", ["speculators", "hf"])
-@pytest.mark.parametrize("packed", [None, "f32", "bf16"])
+@pytest.mark.parametrize("packed", [None, "f32", "bf16", "int8", "int8-xla"])
 def test_head_forward_matches_torch_reference(target, tmp_path, fmt, flags, packed):
-    """The head's forward (draft and catch-up passes) against torch ops; `packed`: its linear maps packed for the
-    native CPU matmul as the engine runs them (`pack_head`), from float32 values or from bfloat16 ones (a head
-    exported in bfloat16), which it stores in bfloat16."""
-    if packed and not ops.native_matmul_available():
+    """The head's forward (draft and catch-up passes) against torch ops; `packed`: its linear maps stored as the
+    engine serves them (`store_head`): packed for the native CPU matmul from float32 values or from bfloat16 ones
+    (a head exported in bfloat16), which it stores in bfloat16, or quantized to int8 (a scale per output channel)
+    for the native kernel or for XLA's dot ("int8-xla")."""
+    if packed in ("f32", "bf16", "int8") and not ops.native_matmul_available():
         pytest.skip("the native CPU matmul library is not available")
     tpath, _ = target
     tcfg = load_checkpoint(tpath).config
     w = make_head(str(tmp_path), fmt, seed=3, **flags)
-    if packed == "bf16":  # values a bfloat16 export holds, stored as float32 (as the shipped head loads)
+    if packed == "bf16":  # values a bfloat16 export holds, stored as float32 (as the shipped one loads)
         w = {k: v.astype(jnp.bfloat16).astype(np.float32) if v.dtype == np.float32 else v for k, v in w.items()}
         save_file(w, os.path.join(tmp_path, "model.safetensors"))
     cfg, hw = load_eagle3(str(tmp_path), tcfg, np.float32)
     assert cfg.aux_layer_ids == tuple(AUX_IDS) and cfg.draft_vocab_size == 40
-    if packed:
-        hw = pack_head(hw)
+    loaded = hw
+    if packed == "int8-xla":
+        hw = store_head(hw, "int8", "xla")
+        maps = [hw.fc, hw.wq, hw.wk, hw.wv, hw.wo, hw.w_gate, hw.w_up, hw.w_down, hw.lm_head]
+        assert all(isinstance(m, QuantizedLinear) and m.bits == 8 and m.kernel == "xla" for m in maps)
+    elif packed:
+        hw = store_head(hw, "int8" if packed == "int8" else "none")
         maps = [hw.fc, hw.wq.w, hw.wo, hw.w_gate.w, hw.w_down, hw.lm_head]  # q/k/v and gate/up fused
         assert {m.format for m in maps} == {packed}
     # the bfloat16 kernel rounds the activations to bfloat16 as well (one rounding per product input)
@@ -214,29 +221,40 @@ def test_head_forward_matches_torch_reference(target, tmp_path, fmt, flags, pack
     feats = rng.standard_normal((T, 3 * D)).astype(np.float32)
     tokens = rng.integers(0, V, T + 1).tolist()
     lay = "layers.0." if fmt == "speculators" else "midlayer."
-
-    # Pass 1: T target features in one prefill; pass 2: one draft step fed the head's own hidden state.
-    ref_h, ref_logits = torch_eagle3(w, feats, tokens[:T], embed, lay, flags)
-    # the step at position T is fed the output at position T - 1 as its hidden state
-    ref_h2, ref_logits2 = torch_eagle3(w, feats, tokens[:T] + [tokens[T]], embed, lay, flags, extra_hidden=ref_h[-1:])
-
     pages = [3, 1, 4, 2]  # deliberately out of order
-    kv = init_kv_cache(cfg.layer, 6, ps, jnp.float32)
-    b = choose_bucket(T, len(pages), (16,), (4,), 4)
-    inputs = build_step_inputs([ScheduledSeq(tokens[:T], 0, pages)], b, ps)
-    jin = jax.tree.map(jnp.asarray, inputs)
     fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames="from_target")
-    h, normed, kv = fwd(cfg, hw, jnp.asarray(embed), kv, jin, jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))),
-                        from_target=True)
-    np.testing.assert_allclose(np.asarray(h[:T]), ref_h.numpy(), **tol)
-    np.testing.assert_allclose(np.asarray(draft_logits(hw, normed[:T])), ref_logits.numpy(), **tol)
-    b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
-    jin = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([tokens[T]], T, pages)], b1, ps))
-    h2, normed2, kv = fwd(cfg, hw, jnp.asarray(embed), kv, jin, h[T - 1 : T], from_target=False)
-    np.testing.assert_allclose(np.asarray(h2[0]), ref_h2[-1].numpy(), **tol)
-    logits2 = draft_logits(hw, normed2)
-    np.testing.assert_allclose(np.asarray(logits2[0]), ref_logits2[-1].numpy(), **tol)
-    d = int(np.argmax(ref_logits2[-1].numpy() if packed != "bf16" else logits2[0]))
+
+    def run(hw):
+        """Pass 1: T target features in one prefill; pass 2: one draft step at position T fed the head's own
+        hidden state from position T - 1. -> (hidden, logits) of pass 1's T rows and of pass 2's row."""
+        kv = init_kv_cache(cfg.layer, 6, ps, jnp.float32)
+        b = choose_bucket(T, len(pages), (16,), (4,), 4)
+        jin = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq(tokens[:T], 0, pages)], b, ps))
+        h, normed, kv = fwd(cfg, hw, jnp.asarray(embed), kv, jin,
+                            jnp.asarray(np.pad(feats, ((0, 16 - T), (0, 0)))), from_target=True)
+        b1 = choose_bucket(1, len(pages), (1,), (4,), 4)
+        jin = jax.tree.map(jnp.asarray, build_step_inputs([ScheduledSeq([tokens[T]], T, pages)], b1, ps))
+        h2, normed2, kv = fwd(cfg, hw, jnp.asarray(embed), kv, jin, h[T - 1 : T], from_target=False)
+        return [np.asarray(x) for x in (h[:T], draft_logits(hw, normed[:T]), h2[0], draft_logits(hw, normed2)[0])]
+
+    got = run(hw)
+    if packed == "int8":
+        # the native int8 kernel rounds the activations to int8 per 32 inputs: its reference is XLA's dot of the same
+        # maps after the same rounding ("xla-q8", the target's own reference path)
+        want = run(store_head(loaded, "int8", "xla-q8"))
+    else:
+        ref_w = w
+        if packed == "int8-xla":  # the reference multiplies what int8 stores: each map's dequantized values
+            ref_w = {k: quantize_int8(v.T).dequantize().T if k.endswith(("proj.weight", "fc.weight", "lm_head.weight"))
+                     else v for k, v in w.items()}
+        ref_h, ref_logits = torch_eagle3(ref_w, feats, tokens[:T], embed, lay, flags)
+        ref_h2, ref_logits2 = torch_eagle3(ref_w, feats, tokens[:T] + [tokens[T]], embed, lay, flags,
+                                           extra_hidden=ref_h[-1:])
+        want = [x.numpy() for x in (ref_h, ref_logits, ref_h2[-1], ref_logits2[-1])]
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, **tol)
+    d = int(np.argmax(got[3] if packed == "bf16" else want[3]))
+    logits2 = jnp.asarray(got[3])[None]
     assert int(greedy_target_ids(hw, logits2)[0]) == d + int(w["d2t"][d])  # d2t offsets into the target vocab
 
 
@@ -374,6 +392,43 @@ def test_accepted_drafts_and_preemption(target, prompts_and_plain, rigged_head):
         eng.block_manager.check()
         assert eng.block_manager.num_used_pages == 0
     assert metrics[0] == metrics[1]
+
+
+@pytest.mark.parametrize("target_scheme, head_quant, expected", [
+    (None, "int4", "int4"),  # speculative_config.quantization, beside a float32 target
+    ("int8", None, "int8"),  # none asked: the target's scheme
+])
+def test_quantized_head_serves_losslessly(target, prompts_and_plain, rigged_head, target_scheme, head_quant,
+                                          expected):
+    """The head's linear maps stored as `speculative_config.quantization`, else as the target's weights are: the
+    output stays the target's own greedy output (that of the same target without speculation), drafts are
+    accepted, and the maps hold what was asked for (packed for the native kernel, or integer maps for XLA)."""
+    prompts, params, ref = prompts_and_plain
+    if target_scheme is not None:
+        ref = _ids(LLM(target[0], **_engine_args(quantization=target_scheme)).generate(prompts, params,
+                                                                                      use_tqdm=False))
+    spec = _eagle(rigged_head[0]) | ({} if head_quant is None else {"quantization": head_quant})
+    llm = LLM(target[0], **_engine_args(speculative_config=spec, quantization=target_scheme))
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    proposer = llm.llm_engine.proposer
+    assert proposer.scheme == expected
+    lm_head = proposer.runner.weights.lm_head
+    bits = 8 if expected == "int8" else 4
+    if isinstance(lm_head, ops.PackedLinear):
+        assert lm_head.format == expected
+    else:
+        assert isinstance(lm_head, QuantizedLinear) and lm_head.bits == bits
+    assert sum(llm.llm_engine.spec.metrics.num_accepted) > 5
+
+
+def test_speculative_quantization_is_checked():
+    """A scheme that does not exist, or that the method cannot take, is refused with the reason."""
+    with pytest.raises(ValueError, match="must be one of"):
+        SpeculativeConfig(method="eagle3", num_speculative_tokens=3, quantization="fp4")
+    with pytest.raises(ValueError, match="'ngram' has no weights"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, quantization="int8")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        SpeculativeConfig(method="eagle3", num_speculative_tokens=3, quantization="gguf")
 
 
 def test_prefix_cache_hits_and_aborts_during_verification(target, rigged_head, prompts_and_plain, plain):

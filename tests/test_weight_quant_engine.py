@@ -87,18 +87,23 @@ def test_a_request_gets_the_same_bits_alone_and_in_a_busy_batch(tmp_path, scheme
 
 
 def test_speculation_is_lossless_on_a_quantized_target(tmp_path, scheme="int4"):
-    """EAGLE-3 (the head reads the quantized target's features), n-gram and a draft model (which takes the target's
-    scheme) change no token of the quantized target's greedy output."""
+    """EAGLE-3 (the head reads the quantized target's features, its maps in the target's scheme), n-gram and a draft
+    model (which takes the target's scheme, or the one `speculative_config.quantization` names) change no token of
+    the quantized target's greedy output."""
     def plain(path):
         return {"tokens": _run(LLM(path, quantization=scheme, **_engine_args()), prompts)[0]}
 
     prompts = _prompts(4, seed=1) + [{"prompt_token_ids": [7, 8, 9, 10, 11] * 4}]
     target, head, base = make_eagle_pair(str(tmp_path), plain)
     for spec in (_eagle(head), {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
-                 {"method": "draft_model", "model": target, "num_speculative_tokens": 3, "adaptive": False}):
+                 {"method": "draft_model", "model": target, "num_speculative_tokens": 3, "adaptive": False},
+                 {"method": "draft_model", "model": target, "num_speculative_tokens": 3, "adaptive": False,
+                  "quantization": "int8"}):
         llm = LLM(target, quantization=scheme, **_engine_args(speculative_config=spec))
         assert _run(llm, prompts)[0] == base["tokens"], spec["method"]
         assert sum(llm.llm_engine.spec.metrics.num_accepted) > 0, spec["method"]
+        if spec["method"] != "ngram":
+            assert llm.llm_engine.proposer.scheme == spec.get("quantization", scheme)
 
 
 _TP_SCRIPT = r"""

@@ -40,9 +40,14 @@ class DraftModelProposer(Proposer):
 
         from jaxserve.runner import ModelRunner
 
-        # the target's weight scheme; "gguf" (which only a quantized GGUF has) lets the draft model pick its own
-        scheme = engine_cfg.quantization
-        ckpt = load_checkpoint(spec.model, None if scheme in (None, "gguf") else scheme)
+        # `speculative_config.quantization`, else the target's weight scheme; the target's "gguf" (which only a
+        # quantized GGUF has) lets the draft model pick its own
+        if spec.quantization is not None:
+            scheme = spec.quantization
+        else:
+            scheme = None if engine_cfg.quantization == "gguf" else engine_cfg.quantization
+        ckpt = load_checkpoint(spec.model, scheme)
+        self.scheme = ckpt.quantization  # its weights' scheme, as loaded
         if ckpt.config.vocab_size != target.vocab_size:
             raise ValueError(
                 f"speculative_config.model {spec.model!r} has vocab_size {ckpt.config.vocab_size}, the target has "
