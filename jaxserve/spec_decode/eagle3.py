@@ -64,7 +64,6 @@ from jaxserve.model.eagle3 import (
     store_head,
 )
 from jaxserve.packing import Layout
-from jaxserve.quant import describe
 from jaxserve.runner import ProposerRunner, linear_kernel
 from jaxserve.spec_decode.proposer import Proposer
 
@@ -174,8 +173,8 @@ class Eagle3Proposer(Proposer):
         self.runner = ProposerRunner(fn, host, kv, shared=runner.head_embed, sharding=runner._replicated)
         self._layouts: dict[Bucket, Layout] = {}
         logger.info(
-            "EAGLE-3 head %s: draft vocab %d, target layers %s (input convention), linear maps %s (%s)",
-            spec.model, self.cfg.draft_vocab_size, list(self.cfg.aux_layer_ids), self.scheme, describe(host),
+            "EAGLE-3 head %s: draft vocab %d, target layers %s (input convention), linear maps as %s",
+            spec.model, self.cfg.draft_vocab_size, list(self.cfg.aux_layer_ids), self.scheme,
         )
 
     # ---- compilation ----------------------------------------------------------------------------------------
