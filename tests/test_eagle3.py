@@ -422,7 +422,15 @@ def test_quantized_head_serves_losslessly(target, prompts_and_plain, rigged_head
 
 
 def test_speculative_quantization_is_checked():
-    """A scheme that does not exist, or that the method cannot take, is refused with the reason."""
+    """A scheme that does not exist, or that the method cannot take, is refused with the reason; without one the
+    head takes the target's scheme, int8 beside a GGUF target's blocks."""
+    from jaxserve.spec_decode.eagle3 import head_scheme
+
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=3)
+    assert [head_scheme(spec, t) for t in ("gguf", "int4", "bf16", "none", None)] == ["int8", "int4", "bf16",
+                                                                                        "none", "none"]
+    assert head_scheme(SpeculativeConfig(method="eagle3", num_speculative_tokens=3, quantization="bf16"), "gguf") \
+        == "bf16"
     with pytest.raises(ValueError, match="must be one of"):
         SpeculativeConfig(method="eagle3", num_speculative_tokens=3, quantization="fp4")
     with pytest.raises(ValueError, match="'ngram' has no weights"):
