@@ -163,7 +163,7 @@ class Eagle3Proposer(Proposer):
             )
         kv_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, engine_cfg.dtype)
         kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages, engine_cfg.page_size, kv_dtype)
-        # the head runs on the target's kernels: attention, and its linear maps packed as the target's (`pack_head`)
+        # the head runs on the target's kernels: attention, and its linear maps stored for them (`store_head`)
         # On a tensor-parallel target the head runs replicated on the target's devices, beside the features and the
         # (vocabulary-sharded) embedding it reads there; its attention is not split by heads.
         backends = dataclasses.replace(runner.backends, mesh=None)
