@@ -77,7 +77,8 @@ def write_card(out: str, card: dict) -> None:
         "",
         f"Served by jaxserve when `speculative_config={{\"method\": \"eagle3\"}}` names no `model` and the target is "
         f"`{card['target']}`. Speculators format, {card['dtype']} weights, draft vocabulary "
-        f"{card['draft_vocab_size']}, aux layers {card['aux_layer_ids']} (input convention).",
+        f"{card['draft_vocab_size']}, aux layers {card['aux_layer_ids']} (input convention). Served in the target's "
+        f"weight scheme (int8 beside a GGUF target's blocks) unless `speculative_config[\"quantization\"]` names one.",
         "",
         "## Acceptance on held-out chat prompts (served)",
         "",
