@@ -30,8 +30,11 @@ from bench.loadgen import (  # noqa: E402
 
 
 class MockServer:
-    def __init__(self, chunk_delay_s: float = 0.002):
+    def __init__(self, chunk_delay_s: float = 0.002, busy_ms_per_request: float = 0.0):
+        """`busy_ms_per_request`: CPU time each request spins for (the process CPU clock ticks in 10 ms steps, so a
+        test that reads it needs the mock to use some)."""
         self.delay = chunk_delay_s
+        self.busy_s = busy_ms_per_request / 1e3
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
 
@@ -42,6 +45,9 @@ class MockServer:
             return web.json_response({"error": {"message": "boom"}}, status=500)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        t0 = time.process_time()
+        while time.process_time() - t0 < self.busy_s:
+            pass
         try:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -213,7 +219,9 @@ def test_serve_measure_interleaves_engines_and_reports(tmp_path):
         requests = [r for i in range(2 + 4 * 3) for r in reqs(1, out_len=3, prompt=f"p{i}")]
         return await serve.measure(targets, requests, Args)
 
-    raw, mock = run_against_mock(go)
+    # each request spins 20 ms of CPU: the process CPU clock counts in 10 ms ticks, and 3 requests' few ms of
+    # streaming read 0 in every run now and then
+    raw, mock = run_against_mock(go, MockServer(busy_ms_per_request=20))
     assert set(raw) == {"jaxserve", "peer"} and set(raw["peer"]) == {"inf", "100.0"}
     assert all(len(rounds) == 2 for by_rate in raw.values() for rounds in by_rate.values())
     prompts = [b["prompt"] for b in mock.bodies]
