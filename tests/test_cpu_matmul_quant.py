@@ -454,28 +454,35 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
-def test_portable_path_equals_avx512_path(tmp_path):
-    """kernel.cc built for x86-64-v3 (AVX2 + FMA, no AVX-512: the portable C++ loops, integer sums and float
-    epilogue in the same order) gives the same bits as the library in use (AVX-512 + VNNI here), for every format."""
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
+def test_every_build_gives_the_same_bits(tmp_path):
+    """kernel.cc built for plain x86-64 (SSE2: the portable C++ loops) and for x86-64-v3 (AVX2 + FMA + F16C, no
+    AVX-512: the AVX2 integer blocks, vpmaddubsw / vpmaddwd) gives the same bits as the library in use (AVX-512 +
+    VNNI on such a CPU, else the AVX2 build itself), for every format: exact integer sums, then the same float
+    epilogue in the same order, whatever the instruction set."""
     import ctypes
     import subprocess
 
-    flags = [f for f in build.FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3"]
-    lib_path = str(tmp_path / "portable.so")
-    subprocess.run([build.compiler(), *flags, "-I", jax.ffi.include_dir(), native.SOURCE, "-o", lib_path], check=True,
-                   capture_output=True)
-    lib = ctypes.CDLL(lib_path)
-    for target, symbol in native.TARGETS.values():
-        jax.ffi.register_ffi_target(f"{target}_portable_test", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    def build_for(march: str):
+        flags = [f for f in build.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
+        lib_path = str(tmp_path / f"{march}.so")
+        subprocess.run([build.compiler(), *flags, "-I", jax.ffi.include_dir(), native.SOURCE, "-o", lib_path],
+                       check=True, capture_output=True)
+        lib = ctypes.CDLL(lib_path)
+        for target, symbol in native.TARGETS.values():
+            jax.ffi.register_ffi_target(f"{target}_{march}_test", jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
 
-    def portable(x, w):
-        call = jax.ffi.ffi_call(f"{native.TARGETS[w.format][0]}_portable_test",
-                                jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
-        if not w.quantized:
-            return call(x, w.panels)
-        return call(x, w.panels, scale_bytes=np.int32(w.scale_bytes), has_zeros=w.has_zeros)
+        def matmul(x, w):
+            call = jax.ffi.ffi_call(f"{native.TARGETS[w.format][0]}_{march}_test",
+                                    jax.ShapeDtypeStruct((x.shape[0], w.n), jnp.float32))
+            if not w.quantized:
+                return call(x, w.panels)
+            return call(x, w.panels, scale_bytes=np.int32(w.scale_bytes), has_zeros=w.has_zeros)
 
+        return jax.jit(matmul)
+
+    builds = {march: build_for(march) for march in ("x86-64", "x86-64-v3")}
     cases = CASES + [(fmt, K, G, zeros, True) for fmt, K, G, zeros in CASES if fmt != "bf16"]
     for fmt, K, G, zeros, *f16 in cases + [("f32", 96, 0, False)]:
         if fmt == "f32":
@@ -483,11 +490,24 @@ def test_portable_path_equals_avx512_path(tmp_path):
         else:
             packed, _ = _weight(fmt, K, 70, G or K, zeros, seed=9, f16=bool(f16))
             assert fmt == "bf16" or packed.scale_bytes == (2 if f16 else 4)
-        for M in (1, 13, 40):
+        for M in (1, 2, 3, 13, 40):
             x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)).astype(np.float32))
-            np.testing.assert_array_equal(np.asarray(jax.jit(portable)(x, packed)),
-                                          np.asarray(jax.jit(native.matmul)(x, packed)),
-                                          err_msg=f"{fmt} K={K} G={G} zeros={zeros} f16={f16} M={M}")
+            want = np.asarray(jax.jit(native.matmul)(x, packed))
+            for march, matmul in builds.items():
+                np.testing.assert_array_equal(np.asarray(matmul(x, packed)), want,
+                                              err_msg=f"{march}: {fmt} K={K} G={G} zeros={zeros} f16={f16} M={M}")
+    # The extremes of the 16-bit pair sums: every activation at +-127 after quantization, every weight at the end
+    # of its range (int4 15, whose sub-block sums in s16 lanes reach 30,480; int8 -128, i.e. |q| = 128).
+    x = jnp.asarray(np.array([[1.0] * 128, [-1.0] * 128, [1.0, -1.0] * 64], np.float32))
+    for bits, fill in ((4, 15), (8, -128), (8, 127)):
+        q = np.full((128, 40), fill, np.int8 if bits == 8 else np.uint8)
+        s = np.full((4, 40), 0.25, np.float32)
+        packed = native.pack_quantized(q, s, None, bits=bits)
+        want = np.asarray(jax.jit(native.matmul)(x, packed))
+        np.testing.assert_allclose(want[:2, 0], [0.25 * fill * 127 * 128 / 127, -0.25 * fill * 127 * 128 / 127],
+                                   rtol=1e-6)
+        for march, matmul in builds.items():
+            np.testing.assert_array_equal(np.asarray(matmul(x, packed)), want, err_msg=f"{march}: int{bits} {fill}")
 
 
 _BF16_PATH_SCRIPT = """

@@ -94,7 +94,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -371,9 +371,15 @@ void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
 // Integer formats. kQuad = bytes per 4 k of a panel; `Value(w, j, i)` = column j's unsigned weight byte at k = 4 kq
 // + i of the quad at w (portable path); `Load` gives the two u8 vectors (columns 0-15 and 16-31, 4 k per lane).
 // kMr = 6: 2 int32 + 2 f32 accumulators per row + 2 weights + scales and zeros + a broadcast <= 32 registers.
+#if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int64_t kIntMr = 2;  // AVX2: 4 s32 (or s16) sums + 4 f32 accumulators per row, in 16 registers
+#else
+constexpr int64_t kIntMr = 6;
+#endif
+
 struct Int8 {  // lane j of vector h: column 16 h + j, bytes = q + 128 at k = 4 kq .. 4 kq + 3
   using T = int8_t;
-  static constexpr int64_t kQuad = 128, kMr = 6, kWidenFlops = 2;
+  static constexpr int64_t kQuad = 128, kMr = kIntMr, kWidenFlops = 2;
   static constexpr bool kInt = true, kOffset = true;
   static int32_t Value(const uint8_t* w, int64_t j, int64_t i) { return w[4 * j + i]; }
 #if defined(__AVX512VNNI__)
@@ -386,7 +392,7 @@ struct Int8 {  // lane j of vector h: column 16 h + j, bytes = q + 128 at k = 4 
 
 struct Int4 {  // byte [j][i]: column j (k = 4 kq + i) in the low nibble, column j + 16 in the high nibble
   using T = uint8_t;
-  static constexpr int64_t kQuad = 64, kMr = 6, kWidenFlops = 3;
+  static constexpr int64_t kQuad = 64, kMr = kIntMr, kWidenFlops = 3;
   static constexpr bool kInt = true, kOffset = false;
   static int32_t Value(const uint8_t* w, int64_t j, int64_t i) {
     return j < 16 ? w[4 * j + i] & 15 : w[4 * (j - 16) + i] >> 4;
@@ -530,6 +536,93 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
     }
   }
   StoreRows<R>(p, panel, m0, acc0, acc1);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 without VNNI (e.g. AMD Zen 2 / 3): the same exact int32 sums from vpmaddubsw (u8 x s8 -> s16 pairs) and
+// vpmaddwd (s16 pairs -> s32), then the same float epilogue as above, so the same bits. A panel's 32 columns are 4
+// vectors of 8 (int8: 4 loads of a quad; int4: one 64-byte quad's low nibbles are columns 0-15, its high ones 16-31).
+//   int4: u8 weights (0..15) x s8 activations: a pair sums to at most 2 x 15 x 127 = 3,810 in magnitude, so a whole
+//         sub-block (at most 8 quads: 30,480) adds up in s16 lanes, widened once per sub-block.
+//   int8: the weights are q + 128 (u8, for vpdpbusd); vpmaddubsw would saturate on them, so the signed q = byte ^
+//         0x80 is taken apart as |q| (u8: 128 stays 128) times x with q's sign (|x| <= 127: no overflow), and a pair
+//         sums to at most 2 x 128 x 127 = 32,512; without the + 128 there is no offset to remove, and sum(q x) is
+//         the same integer as sum((q + 128) x) - 128 sum(x).
+// Measured on an AMD EPYC (Zen 3, AVX2 only) VM, M = 1 on cold weights (`bench --cold`), us per call before (the
+// portable loops) -> after: see `docs/benchmarks/cpu_matmul.md`.
+inline __m256 LoadScales8(const float* s) { return _mm256_loadu_ps(s); }
+inline __m256 LoadScales8(const Half* s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
+
+template <class Fmt, bool kZeros, int64_t kSub, class ST, int R>
+void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
+  static_assert(kSub / 4 * 2 * 15 * 127 <= 32767, "int4's s16 sums of a sub-block must not overflow");
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  const int64_t groups = p.k / p.group, subs = p.group / kSub, nsub = p.k / kSub, nblk = p.k / kBlock;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + panel * groups * p.group_bytes;
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15), flip = _mm256_set1_epi8(-128);
+  for (int64_t g = 0, sb = 0; g < groups; ++g) {
+    const ST* head = reinterpret_cast<const ST*>(w);
+    __m256 s[4], z[4];
+    for (int v = 0; v < 4; ++v) {
+      s[v] = LoadScales8(head + 8 * v);
+      if constexpr (kZeros) z[v] = LoadScales8(head + kNr + 8 * v);
+    }
+    w += p.head_bytes;
+    for (int64_t j = 0; j < subs; ++j, ++sb) {
+      const int64_t k0 = sb * kSub;
+      __m256i isum[R][4];  // int8: s32 sums; int4: s16 pair sums until the sub-block's end
+      for (int r = 0; r < R; ++r) {
+        for (int v = 0; v < 4; ++v) isum[r][v] = _mm256_setzero_si256();
+      }
+      const int8_t* xq = p.xq + m0 * p.k + k0;
+#pragma GCC unroll 8
+      for (int64_t kq = 0; kq < kSub; kq += 4, w += Fmt::kQuad) {
+        __m256i b[4];
+        if constexpr (std::is_same_v<Fmt, Int4>) {
+          const __m256i v0 = _mm256_loadu_si256((const __m256i*)w), v1 = _mm256_loadu_si256((const __m256i*)(w + 32));
+          b[0] = _mm256_and_si256(v0, nibble), b[1] = _mm256_and_si256(v1, nibble);
+          b[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+          b[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        } else {
+          for (int v = 0; v < 4; ++v) b[v] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 32 * v)), flip);
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xq + r * p.k + kq, sizeof four);
+          const __m256i a = _mm256_set1_epi32(four);
+          for (int v = 0; v < 4; ++v) {
+            if constexpr (std::is_same_v<Fmt, Int4>) {
+              isum[r][v] = _mm256_add_epi16(isum[r][v], _mm256_maddubs_epi16(b[v], a));
+            } else {
+              const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(b[v]), _mm256_sign_epi8(a, b[v]));
+              isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(pairs, ones));
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(p.xd[(m0 + r) * nblk + k0 / kBlock]);
+        for (int v = 0; v < 4; ++v) {
+          const __m256i i32 = std::is_same_v<Fmt, Int4> ? _mm256_madd_epi16(isum[r][v], ones) : isum[r][v];
+          acc[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i32), dx), s[v], acc[r][v]);
+          if constexpr (kZeros) acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(p.xz[(m0 + r) * nsub + sb]), z[v], acc[r][v]);
+        }
+      }
+    }
+  }
+  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
+  for (int r = 0; r < R; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    if (cols == kNr) {
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + 8 * v, acc[r][v]);
+    } else {
+      alignas(32) float row[kNr];
+      for (int v = 0; v < 4; ++v) _mm256_store_ps(row + 8 * v, acc[r][v]);
+      std::memcpy(y, row, cols * sizeof(float));
+    }
+  }
 }
 #else
 // Portable version: the same exact integer sums and the same float operations in the same order.
