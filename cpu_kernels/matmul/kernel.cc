@@ -134,9 +134,16 @@ struct Problem {
 // Float formats: storage type, elements per k row of a panel, kMr = rows of x per register block (2 kMr accumulators
 // + 2 weight vectors + a broadcast <= 32). F32::Widen loads one k row (columns 0-15 and 16-31); Bf16::Widen widens
 // one bf16 exactly.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define JAXSERVE_AVX2_FLOAT 1
+constexpr int64_t kFloatMr = 2;  // AVX2: 4 accumulators per row (32 columns of 8 lanes) + weights in 16 registers
+#else
+constexpr int64_t kFloatMr = 12;
+#endif
+
 struct F32 {
   using T = float;
-  static constexpr int64_t kRow = 32, kMr = 12, kWidenFlops = 0;
+  static constexpr int64_t kRow = 32, kMr = kFloatMr, kWidenFlops = 0;
   static constexpr bool kInt = false;
 #if defined(__AVX512F__)
   static void Widen(const T* w, __m512& lo, __m512& hi) {
@@ -148,7 +155,7 @@ struct F32 {
 
 struct Bf16 {  // a bf16 is the top half of an f32: shifting its bits left by 16 widens it exactly
   using T = uint16_t;
-  static constexpr int64_t kRow = 32, kMr = 12, kWidenFlops = 0;
+  static constexpr int64_t kRow = 32, kMr = kFloatMr, kWidenFlops = 0;
   static constexpr bool kInt = false;
   static float Widen(T v) {
     const uint32_t bits = uint32_t{v} << 16;
@@ -234,6 +241,40 @@ void Block(const Problem& p, int64_t panel, int64_t m0) {
     }
   }
   StoreRows<R>(p, panel, m0, acc0, acc1);
+}
+#elif defined(JAXSERVE_AVX2_FLOAT)
+// AVX2: a panel's 32 columns as 4 vectors of 8, the same FMA chain per element as below.
+template <int R>
+inline void StoreRows8(const Problem& p, int64_t panel, int64_t m0, const __m256 (*acc)[4]) {
+  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
+  for (int r = 0; r < R; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    if (cols == kNr) {
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + 8 * v, acc[r][v]);
+    } else {
+      alignas(32) float row[kNr];
+      for (int v = 0; v < 4; ++v) _mm256_store_ps(row + 8 * v, acc[r][v]);
+      std::memcpy(y, row, cols * sizeof(float));
+    }
+  }
+}
+
+template <class Fmt, bool kZeros, int R>
+void Block(const Problem& p, int64_t panel, int64_t m0) {
+  static_assert(std::is_same_v<Fmt, F32>);
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  const float* w = static_cast<const float*>(p.w) + panel * p.k * kNr;
+  const float* x = p.x + m0 * p.k;
+  for (int64_t k = 0; k < p.k; ++k, w += kNr) {
+    for (int v = 0; v < 4; ++v) {
+      const __m256 b = _mm256_loadu_ps(w + 8 * v);
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * p.k + k]), b, acc[r][v]);
+    }
+  }
+  StoreRows8<R>(p, panel, m0, acc);
 }
 #else
 // Portable version: the same per-element FMA chain order (std::fma keeps one rounding per step, like the vector FMA).
@@ -339,6 +380,45 @@ void WideBlock(const Problem& p, int64_t panel, int64_t m0) {
   }
   if (p.k % 2) OddRow<R>(w, acc0, acc1, [&](int r) { return x[r * p.k + pairs * 2]; });
   StoreRows<R>(p, panel, m0, acc0, acc1);
+}
+#elif defined(JAXSERVE_AVX2_FLOAT)
+// AVX2: per k pair and vector of 8 columns, the weights' odd and even k widened once for the R rows, then the two
+// FMAs of PairFma's order on x's pair split the same way.
+template <int R>
+void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  const uint16_t* w = static_cast<const uint16_t*>(p.w) + panel * p.k * kNr;
+  const int64_t pairs = p.k / 2, words = (p.k + 1) / 2;
+  const uint32_t* xb = p.xb + m0 * words;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t kq = 0; kq < pairs; ++kq, w += 2 * kNr) {
+    __m256 xo[R], xe[R];
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = _mm256_set1_epi32(static_cast<int>(xb[r * words + kq]));
+      xo[r] = _mm256_castsi256_ps(_mm256_and_si256(a, high));
+      xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+    }
+    for (int v = 0; v < 4; ++v) {
+      const __m256i b = _mm256_loadu_si256((const __m256i*)(w + 16 * v));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(b, high));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(xe[r], even, _mm256_fmadd_ps(xo[r], odd, acc[r][v]));
+    }
+  }
+  if (p.k % 2) {  // the last k row alone: one FMA per row with the widened weights
+    for (int v = 0; v < 4; ++v) {
+      const __m256 b = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + 8 * v))), 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_set1_ps(Bf16::Widen(static_cast<uint16_t>(xb[r * words + pairs])));
+        acc[r][v] = _mm256_fmadd_ps(a, b, acc[r][v]);
+      }
+    }
+  }
+  StoreRows8<R>(p, panel, m0, acc);
 }
 #else
 template <int R>
