@@ -506,6 +506,33 @@ void QuantizeRow(const float* x, int64_t k, int64_t sub, bool offset, int8_t* xq
     _mm_storeu_si128((__m128i*)xq, _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128((__m128i*)(xq + 16), _mm512_cvtepi32_epi8(q1));
     sums[0] = _mm512_reduce_add_epi32(q0), sums[1] = _mm512_reduce_add_epi32(q1);
+#elif defined(__AVX2__)
+    __m256 v[4], amax8 = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float db = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(db > 0 ? 1.0f / db : 0.0f);
+    const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {  // vcvtps2dq rounds to nearest even (the default MXCSR), as nearbyint does
+      q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lim), neg);
+    }
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)xq, bytes);
+    for (int h = 0; h < 2; ++h) {
+      __m256i t = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+      sums[h] = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1)));
+    }
 #else
     float amax = 0;
     for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
