@@ -38,8 +38,45 @@ def _rows(V: int, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("V", (1, 7, 16, 17, 100, 49153))
 def test_matches_float64(V):
+    _check_rows(jax.jit(native.row_stats), V)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
+@pytest.mark.parametrize("march", ("x86-64", "x86-64-v3"))
+def test_every_build_matches_float64(march, tmp_path):
+    """The kernel built for plain x86-64 (the portable loops) and for x86-64-v3 (AVX2 + FMA: the 8-lane exp and
+    sums), whatever the library in use here is built for."""
+    import ctypes
+    import subprocess
+
+    flags = [f for f in build.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
+    lib_path = str(tmp_path / f"{march}.so")
+    subprocess.run([build.compiler(), *flags, "-I", jax.ffi.include_dir(), native.SOURCE, "-o", lib_path],
+                   check=True, capture_output=True)
+    target = f"row_stats_{march}_test"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.CDLL(lib_path).JaxserveRowStats), platform="cpu")
+
+    def stats(x):
+        R = x.shape[0]
+        out = (jax.ShapeDtypeStruct((R,), jnp.float32), jax.ShapeDtypeStruct((R,), jnp.int32),
+               jax.ShapeDtypeStruct((R,), jnp.float32), jax.ShapeDtypeStruct((R,), jnp.bool_))
+        return tuple(jax.ffi.ffi_call(target, out)(x))
+
+    for V in (1, 7, 16, 17, 100, 49153):
+        _check_rows(jax.jit(stats), V)
+
+
+def _check_rows(row_stats, V: int) -> None:
     x = _rows(V)
-    m, first, log_z, nonfinite = (np.asarray(a) for a in jax.jit(native.row_stats)(jnp.asarray(x)))
+    m, first, log_z, nonfinite = (np.asarray(a) for a in row_stats(jnp.asarray(x)))
     finite_max = ~np.isnan(x).any(1) & ~np.isposinf(x).any(1) & ~np.isneginf(x).all(1)
     np.testing.assert_array_equal(nonfinite, np.isnan(x).any(1) | np.isposinf(x).any(1))
     np.testing.assert_array_equal(m[~np.isnan(x).any(1)], x.max(1)[~np.isnan(x).any(1)])

@@ -23,7 +23,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -96,6 +96,68 @@ Stats RowStats(const float* x, int64_t v) {
   _mm512_storeu_pd(lanes, _mm512_add_pd(sum0, sum1));
   double total = 0;
   for (double l : lanes) total += l;
+  s.log_z = static_cast<float>(std::log(total));
+  return s;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: the same two passes over 8 lanes. exp as above, 2^n built in the exponent bits (n in [-127, 0] here, as
+// x <= 0: 2^-127 reads 0 instead of a subnormal, which no sum of at least 1 can tell).
+inline __m256 Exp(__m256 x) {  // x <= 0 or NaN
+  const __m256 t = _mm256_max_ps(_mm256_set1_ps(-88.0f), x);  // vmaxps returns its second operand for a NaN
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), t);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+Stats RowStats(const float* x, int64_t v) {
+  const __m256 pinf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), bad = _mm256_setzero_ps(), nan = bad;
+  int64_t i = 0;
+  for (; i + 8 <= v; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, pinf, _CMP_EQ_OQ));
+    mx = _mm256_max_ps(mx, a);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  bool any_nan = _mm256_movemask_ps(nan) != 0, any_bad = _mm256_movemask_ps(bad) != 0;
+  for (; i < v; ++i) {
+    any_nan |= std::isnan(x[i]);
+    any_bad |= x[i] == std::numeric_limits<float>::infinity();
+    m = std::max(m, x[i]);
+  }
+  if (any_nan) m = std::numeric_limits<float>::quiet_NaN();
+  Stats s{m, 0.0f, static_cast<int32_t>(v), any_nan || any_bad};
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();  // f64, as above
+  for (i = 0; i + 8 <= v; i += 8) {
+    const __m256 a = _mm256_loadu_ps(x + i);
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(a, mv, _CMP_EQ_OQ));
+    if (eq && s.first == v) s.first = static_cast<int32_t>(i + __builtin_ctz(eq));
+    const __m256 e = Exp(_mm256_sub_ps(a, mv));
+    sum0 = _mm256_add_pd(sum0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    sum1 = _mm256_add_pd(sum1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  double lanes[4];
+  _mm256_storeu_pd(lanes, _mm256_add_pd(sum0, sum1));
+  double total = 0;
+  for (double l : lanes) total += l;
+  for (; i < v; ++i) {
+    if (x[i] == m && s.first == v) s.first = static_cast<int32_t>(i);
+    total += static_cast<double>(std::exp(x[i] - m));
+  }
   s.log_z = static_cast<float>(std::log(total));
   return s;
 }
