@@ -9,6 +9,7 @@ backend.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
@@ -27,7 +28,38 @@ pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler (g++) to build the native kernel"
 )
 
-AVX512 = os.path.exists("/proc/cpuinfo") and "avx512f" in pathlib.Path("/proc/cpuinfo").read_text()
+_FLAGS = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if os.path.exists("/proc/cpuinfo") else set()
+AVX2 = {"avx2", "fma"} <= _FLAGS
+DECODE_PATH = "avx512f" in _FLAGS or AVX2  # the builds with the batch-invariant decode path
+
+
+@functools.cache
+def _avx2_target(lib_dir: str) -> str:
+    """The kernel built for x86-64-v3 (AVX2 + FMA), registered once per process: its FFI target's name."""
+    import ctypes
+    import subprocess
+
+    lib_path = os.path.join(lib_dir, "attention.so")
+    flags = [f for f in build.FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3"]
+    subprocess.run([build.compiler(), *flags, "-I", jax.ffi.include_dir(), native.SOURCE, "-o", lib_path],
+                   check=True, capture_output=True)
+    target = f"{native.TARGET}_avx2_test"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.CDLL(lib_path).JaxserveRaggedPagedAttention),
+                                platform="cpu")
+    return target
+
+
+@pytest.fixture(params=["native", "x86-64-v3"])
+def decode_build(request, tmp_path_factory, monkeypatch):
+    """The library in use, or the kernel built for x86-64-v3 (AVX2 + FMA: the decode path on pairs of 8-lane
+    registers) and called through `native.attend` in its place, so an AVX-512 machine tests the AVX2 build too."""
+    if request.param == "native":
+        return
+    if not AVX2:
+        pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
+    assert native.load()  # registers the library in use under its own name first (`load` is cached)
+    target = _avx2_target(str(tmp_path_factory.getbasetemp()))
+    monkeypatch.setattr(native, "TARGET", target)
 
 TOL = {  # (atol, rtol) of native vs reference, by query dtype: both compute in f32; low-precision outputs may
     "float32": (1e-5, 1e-5),  # differ by one rounding step
@@ -179,11 +211,11 @@ def test_single_sequence_equals_dense_attention(q_len, kw):
     np.testing.assert_allclose(np.asarray(out), np.asarray(dense), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not AVX512, reason="the batch-invariant decode path needs AVX-512")
+@pytest.mark.skipif(not DECODE_PATH, reason="the batch-invariant decode path needs AVX-512 or AVX2")
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])  # the decode path's KV dtypes
 @pytest.mark.parametrize("window", [2, 4, 16])
 @pytest.mark.parametrize("kw", [{}, dict(sliding_window=21)], ids=["plain", "window"])
-def test_a_verify_window_is_computed_bit_for_bit_as_decode_steps(kv_dtype, window, kw):
+def test_a_verify_window_is_computed_bit_for_bit_as_decode_steps(kv_dtype, window, kw, decode_build):
     """Speculative decoding's losslessness and batch invariance, at the kernel: each token of a sequence's verify
     window (K + 1 tokens, in a batch beside a prefill chunk and a decode) and of the prefill chunk gets exactly the
     bits it gets alone as a decode token at its position. A last-bit difference would be enough to flip a greedy
@@ -200,10 +232,10 @@ def test_a_verify_window_is_computed_bit_for_bit_as_decode_steps(kv_dtype, windo
     assert_matches(batch, reference.attend(*args, sm_scale=sm_scale, **kw), "float32")
 
 
-@pytest.mark.skipif(not AVX512, reason="the batch-invariant decode path needs AVX-512")
+@pytest.mark.skipif(not DECODE_PATH, reason="the batch-invariant decode path needs AVX-512 or AVX2")
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["G1", "G3", "G4"])
-def test_a_lone_decode_split_over_kv_heads_equals_it_in_a_batch(kv_dtype, heads):
+def test_a_lone_decode_split_over_kv_heads_equals_it_in_a_batch(kv_dtype, heads, decode_build):
     """A step with fewer tokens than threads runs each kv head of a decode token as a task of its own (`MakeTasks`);
     the token's bits are those it gets among other decodes (one task per token), and match the reference."""
     args, sm_scale = make_case((1,) * 6, (200, 17, 33, 64, 100, 5), num_q_heads=heads[0], num_kv_heads=heads[1],

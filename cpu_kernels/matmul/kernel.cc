@@ -9,6 +9,11 @@
 // thread works too. Every y[m, n] is computed by the same sequence of float operations whatever M, the row block or
 // the thread: a row's result does not depend on what else is in the batch (batch invariance, bit for bit).
 //
+// Three builds of the same arithmetic, chosen by -march=native at build time: AVX-512 (+ VNNI, BF16 where the CPU
+// has them), AVX2 + FMA + F16C (8-lane vectors, 2 rows per register block; integer dot products from vpmaddubsw
+// and vpmaddwd, below), and portable C++ loops. All three give the same bits for every format (the tests build
+// the kernel for x86-64 and x86-64-v3 and compare them with the library in use).
+//
 // Float formats (f32, bf16): panels [P, K, 32] of float or bf16 bits. For each panel and each block of up to kMr
 // rows of x, the accumulators (rows x 2 vectors of 16) live in registers for the whole k loop: per k, the 32 weights
 // are widened to f32 in two registers, then one broadcast FMA pair per row (an in-order FMA chain over k).
@@ -968,7 +973,8 @@ __attribute__((noinline)) double ChainRate(int64_t iters) {
 // at 1-4 rows (bound by the weight's bytes) vdpbf16ps stays, as it measured ~10% faster at one row. CPUs that run
 // vdpbf16ps at the FMA rate keep it throughout. Decided once per process by timing both (~1 ms, best of 3), or by
 // the environment: JAXSERVE_MATMUL_BF16=fma | dpbf16 (either at every row count). Without AVX512_BF16 the FMA path
-// is the fast one at any m (PairFma would widen per row); without AVX-512 the portable PairBlock does the same sums.
+// is the fast one at any m (PairFma would widen per row). AVX2 builds keep PairBlock (x's pairs split per row): the
+// FMA path with x widened once per call measured 1.0-1.4x slower there (hot 576 x 1536, 1 / 2 / 16 rows, 2026-12-06).
 bool Bf16AsFma(int64_t m) {
 #if !defined(__AVX512F__)
   return false;

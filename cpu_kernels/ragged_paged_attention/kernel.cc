@@ -607,9 +607,12 @@ bool AttendChunk(const Problem& p, const Task& task, Workspace& ws, int64_t kv, 
 
 // A decode token's task walks its pages in order and each page's contiguous [page_size, K, H] block once: per kv
 // head, up to 16 keys at a time, the G query rows' scores (queries in registers), one online-softmax update, and the
-// weighted sum of those keys' values while they are in L1. Needs AVX-512 (16-lane vectors in single registers);
-// other builds, other KV dtypes and other head dims take the chunked path below.
-#if defined(__AVX512F__)
+// weighted sum of those keys' values while they are in L1. Written for AVX-512 (16-lane vectors in single
+// registers); an AVX2 build runs the same code on pairs of 8-lane registers (GCC splits the 16-lane vectors), so
+// that its decode tokens get the same batch invariance (the chunked path below makes no such promise). Other
+// builds, other KV dtypes and other head dims take the chunked path.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define JAXSERVE_DECODE_PATH 1
 typedef float V16 __attribute__((vector_size(64)));
 typedef float V16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t V16i __attribute__((vector_size(64)));
@@ -621,6 +624,7 @@ struct Bf16 {  // a bfloat16 KV element (the high half of an f32)
 
 inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
 inline void Store16(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
+#if defined(__AVX512F__)
 inline V16 Load16(const Bf16* p) {  // widened in registers
   const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return reinterpret_cast<V16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
@@ -631,6 +635,33 @@ inline V16 Load16(const int8_t* p) {  // raw int8, widened in registers (scales 
 }
 inline float Sum16(V16 v) { return _mm512_reduce_add_ps(v); }
 inline float Max16(V16 v) { return _mm512_reduce_max_ps(v); }
+inline V16 Splat16(float x) { return reinterpret_cast<V16>(_mm512_set1_ps(x)); }
+#else
+inline V16 Join16(V8 lo, V8 hi) { return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline V16 Load16(const Bf16* p) { return Join16(LoadBf16x8(&p->bits), LoadBf16x8(&p[8].bits)); }
+inline V16 Load16(const int8_t* p) { return Join16(LoadS8x8(p), LoadS8x8(p + 8)); }
+inline __m256 Half8(V16 v, int h) {
+  __m256 r;
+  std::memcpy(&r, reinterpret_cast<const char*>(&v) + 32 * h, sizeof r);
+  return r;
+}
+inline float Sum16(V16 v) {  // one fixed order: the halves' lanes added, then 4, 2, 1
+  const __m256 s = _mm256_add_ps(Half8(v, 0), Half8(v, 1));
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline float Max16(V16 v) {
+  const __m256 s = _mm256_max_ps(Half8(v, 0), Half8(v, 1));
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+inline V16 Splat16(float x) {
+  const V8 h = reinterpret_cast<V8>(_mm256_set1_ps(x));
+  return Join16(h, h);
+}
+#endif
 template <int NC, typename E>
 inline void PrefetchRow(const E* row) {  // the cache lines of one H-element row
   const char* b = reinterpret_cast<const char*>(row);
@@ -709,7 +740,7 @@ void DecodeTile(const float* q, const E* k, const E* v, int64_t stride, int j0, 
     for (int c = 0; c < NC; ++c) x[c] = Load16(v + j * stride + c * kWide);
     if (prefetch) PrefetchRow<NC>(v + j * stride + prefetch);
     for (int r = 0; r < RT; ++r) {
-      const V16 b = reinterpret_cast<V16>(_mm512_set1_ps(w[r][j]));
+      const V16 b = Splat16(w[r][j]);
       for (int c = 0; c < NC; ++c) a[r][c] += b * x[c];
     }
   }
@@ -793,9 +824,9 @@ bool DecodeTaskOfKind(const Problem& p, const Task& task, Workspace& ws) {
 }
 #endif
 
-// Whether tasks take the decode path: AVX-512 builds, head dim 64 or 128, f32 / bf16 / int8 KV.
+// Whether tasks take the decode path: AVX-512 or AVX2 builds, head dim 64 or 128, f32 / bf16 / int8 KV.
 bool DecodePathApplies(const Problem& p) {
-#if defined(__AVX512F__)
+#if defined(JAXSERVE_DECODE_PATH)
   return (p.H == 64 || p.H == 128) &&
          (p.kv_kind == KvKind::kF32 || p.kv_kind == KvKind::kBf16 || p.kv_kind == KvKind::kS8);
 #else
@@ -806,7 +837,7 @@ bool DecodePathApplies(const Problem& p) {
 
 // Runs a task on the decode path; false (nothing done) where that path does not apply.
 bool TryDecodeTask(const Problem& p, const Task& task, Workspace& ws) {
-#if defined(__AVX512F__)
+#if defined(JAXSERVE_DECODE_PATH)
   switch (p.H) {
     case 64: return DecodeTaskOfKind<4>(p, task, ws);
     case 128: return DecodeTaskOfKind<8>(p, task, ws);
