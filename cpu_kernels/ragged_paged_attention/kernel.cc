@@ -606,71 +606,37 @@ bool AttendChunk(const Problem& p, const Task& task, Workspace& ws, int64_t kv, 
 // ------------------------------------------------------------------ decode: one query token, page by page
 
 // A decode token's task walks its pages in order and each page's contiguous [page_size, K, H] block once: per kv
-// head, up to 16 keys at a time, the G query rows' scores (queries in registers), one online-softmax update, and the
-// weighted sum of those keys' values while they are in L1. Written for AVX-512 (16-lane vectors in single
-// registers); an AVX2 build runs the same code on pairs of 8-lane registers (GCC splits the 16-lane vectors), so
-// that its decode tokens get the same batch invariance (the chunked path below makes no such promise). Other
-// builds, other KV dtypes and other head dims take the chunked path.
+// head, up to kWide keys at a time (16 with AVX-512, 8 with AVX2: one register's lanes), the G query rows' scores
+// (queries in registers), one online-softmax update, and the weighted sum of those keys' values while they are in
+// L1. A build's width is fixed, so a token's bits do not depend on the batch; AVX-512 and AVX2 builds group keys
+// differently and agree to float rounding. Other builds, other KV dtypes and other head dims take the chunked path.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define JAXSERVE_DECODE_PATH 1
-typedef float V16 __attribute__((vector_size(64)));
-typedef float V16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t V16i __attribute__((vector_size(64)));
-constexpr int kWide = 16;
-
 struct Bf16 {  // a bfloat16 KV element (the high half of an f32)
   uint16_t bits;
 };
 
-inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
-inline void Store16(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
 #if defined(__AVX512F__)
-inline V16 Load16(const Bf16* p) {  // widened in registers
+typedef float VW __attribute__((vector_size(64)));
+typedef float VWu __attribute__((vector_size(64), aligned(4)));
+typedef int32_t VWi __attribute__((vector_size(64)));
+constexpr int kWide = 16;
+
+inline VW LoadW(const Bf16* p) {  // widened in registers
   const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return reinterpret_cast<V16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  return reinterpret_cast<VW>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
-inline V16 Load16(const int8_t* p) {  // raw int8, widened in registers (scales applied apart)
+inline VW LoadW(const int8_t* p) {  // raw int8, widened in registers (scales applied apart)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
-inline float Sum16(V16 v) { return _mm512_reduce_add_ps(v); }
-inline float Max16(V16 v) { return _mm512_reduce_max_ps(v); }
-inline V16 Splat16(float x) { return reinterpret_cast<V16>(_mm512_set1_ps(x)); }
-#else
-inline V16 Join16(V8 lo, V8 hi) { return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-inline V16 Load16(const Bf16* p) { return Join16(LoadBf16x8(&p->bits), LoadBf16x8(&p[8].bits)); }
-inline V16 Load16(const int8_t* p) { return Join16(LoadS8x8(p), LoadS8x8(p + 8)); }
-inline __m256 Half8(V16 v, int h) {
-  __m256 r;
-  std::memcpy(&r, reinterpret_cast<const char*>(&v) + 32 * h, sizeof r);
-  return r;
-}
-inline float Sum16(V16 v) {  // one fixed order: the halves' lanes added, then 4, 2, 1
-  const __m256 s = _mm256_add_ps(Half8(v, 0), Half8(v, 1));
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-inline float Max16(V16 v) {
-  const __m256 s = _mm256_max_ps(Half8(v, 0), Half8(v, 1));
-  __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
-}
-inline V16 Splat16(float x) {
-  const V8 h = reinterpret_cast<V8>(_mm256_set1_ps(x));
-  return Join16(h, h);
-}
-#endif
-template <int NC, typename E>
-inline void PrefetchRow(const E* row) {  // the cache lines of one H-element row
-  const char* b = reinterpret_cast<const char*>(row);
-  for (int i = 0; i < NC * kWide * static_cast<int>(sizeof(E)); i += 64) __builtin_prefetch(b + i);
-}
+inline float SumW(VW v) { return _mm512_reduce_add_ps(v); }
+inline float MaxW(VW v) { return _mm512_reduce_max_ps(v); }
+inline VW SplatW(float x) { return reinterpret_cast<VW>(_mm512_set1_ps(x)); }
 
 // Sixteen vectors -> one vector of their horizontal sums (lane i = the sum of v[i]'s lanes), a transposing add tree.
-inline V16 TransposeSum16(const V16* v) {
-  V16 p[8], q[4], r[2];
+inline VW TransposeSumW(const VW* v) {
+  VW p[8], q[4], r[2];
   for (int i = 0; i < 8; ++i) {  // per 128-bit block: [A B A B], A = v[2i], B = v[2i+1] partial sums
     p[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
@@ -686,6 +652,32 @@ inline V16 TransposeSum16(const V16* v) {
   return __builtin_shufflevector(r[0], r[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
          __builtin_shufflevector(r[0], r[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
+#else  // AVX2: the 8-lane vectors of the chunked path
+typedef V8 VW;
+typedef V8u VWu;
+typedef V8i VWi;
+constexpr int kWide = 8;
+
+inline VW LoadW(const Bf16* p) { return LoadBf16x8(&p->bits); }
+inline VW LoadW(const int8_t* p) { return LoadS8x8(p); }
+inline float SumW(VW v) { return Sum8(v); }
+inline float MaxW(VW v) {
+  const __m256 s = reinterpret_cast<__m256>(v);
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+inline VW SplatW(float x) { return Splat8(x); }
+inline VW TransposeSumW(const VW* v) { return TransposeSum8(v); }
+#endif
+
+inline VW LoadW(const float* p) { return *reinterpret_cast<const VWu*>(p); }
+inline void StoreW(float* p, VW v) { *reinterpret_cast<VWu*>(p) = v; }
+template <int NC, typename E>
+inline void PrefetchRow(const E* row) {  // the cache lines of one H-element row
+  const char* b = reinterpret_cast<const char*>(row);
+  for (int i = 0; i < NC * kWide * static_cast<int>(sizeof(E)); i += 64) __builtin_prefetch(b + i);
+}
 
 // RT query rows (q: f32[RT, H], times sm_scale) of one kv head against n <= 16 consecutive keys of one page (row j
 // of k / v at k + j * stride), of which j0 .. n - 1 are visible: scores, one online-softmax update of m / l / acc
@@ -695,61 +687,62 @@ template <int RT, int NC, typename E>
 void DecodeTile(const float* q, const E* k, const E* v, int64_t stride, int j0, int n, const float* kscale,
                 const float* vscale, float soft_cap, int64_t prefetch, float* m, float* l, float* acc) {
   constexpr int H = NC * kWide;
-  V16 y[RT][NC];
+  VW y[RT][NC];
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < NC; ++c) y[r][c] = Load16(q + r * H + c * kWide);
-  alignas(64) V16 part[RT][kWide];  // per key: lanes of q . k, summed across lanes below
+    for (int c = 0; c < NC; ++c) y[r][c] = LoadW(q + r * H + c * kWide);
+  alignas(64) VW part[RT][kWide];  // per key: lanes of q . k, summed across lanes below
   for (int j = 0; j < n; ++j) {
-    V16 x[NC];
-    for (int c = 0; c < NC; ++c) x[c] = Load16(k + j * stride + c * kWide);
+    VW x[NC];
+    for (int c = 0; c < NC; ++c) x[c] = LoadW(k + j * stride + c * kWide);
     if (prefetch) PrefetchRow<NC>(k + j * stride + prefetch);
     for (int r = 0; r < RT; ++r) {
-      V16 a = y[r][0] * x[0];
+      VW a = y[r][0] * x[0];
       for (int c = 1; c < NC; ++c) a += y[r][c] * x[c];
       part[r][j] = a;
     }
   }
   for (int j = n; j < kWide; ++j)
-    for (int r = 0; r < RT; ++r) part[r][j] = V16{};
-  const V16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const V16i live = (lane >= j0) & (lane < n);  // keys j0 .. n - 1 are visible (the others: outside the window)
+    for (int r = 0; r < RT; ++r) part[r][j] = VW{};
+  VWi lane;
+  for (int i = 0; i < kWide; ++i) lane[i] = i;
+  const VWi live = (lane >= j0) & (lane < n);  // keys j0 .. n - 1 are visible (the others: outside the window)
   alignas(64) float w[RT][kWide];
   float alpha[RT];
   for (int r = 0; r < RT; ++r) {
-    V16 s = TransposeSum16(part[r]);
-    if (kscale) s *= Load16(kscale);
+    VW s = TransposeSumW(part[r]);
+    if (kscale) s *= LoadW(kscale);
     if (soft_cap > 0.0f) {
       for (int j = 0; j < n; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
     }
-    s = live ? s : V16{} + kMasked;
-    const float m_new = std::max(m[r], Max16(s));
-    const V16 z = s - m_new;
-    V16 wr = (live & (z > kFlush)) ? ExpV<V16, V16i>(z) : V16{};  // the reference's flush
+    s = live ? s : VW{} + kMasked;
+    const float m_new = std::max(m[r], MaxW(s));
+    const VW z = s - m_new;
+    VW wr = (live & (z > kFlush)) ? ExpV<VW, VWi>(z) : VW{};  // the reference's flush
     const float dm = m[r] - m_new;
     alpha[r] = dm == 0.0f ? 1.0f : dm > kFlush ? Exp(dm) : 0.0f;  // the same flush for the rescale; Exp(0) = 1
     m[r] = m_new;
-    l[r] = l[r] * alpha[r] + Sum16(wr);
-    if (vscale) wr *= Load16(vscale);
-    Store16(w[r], wr);
+    l[r] = l[r] * alpha[r] + SumW(wr);
+    if (vscale) wr *= LoadW(vscale);
+    StoreW(w[r], wr);
   }
-  V16 a[RT][NC];
+  VW a[RT][NC];
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < NC; ++c) a[r][c] = Load16(acc + r * H + c * kWide) * alpha[r];
+    for (int c = 0; c < NC; ++c) a[r][c] = LoadW(acc + r * H + c * kWide) * alpha[r];
   for (int j = 0; j < n; ++j) {
-    V16 x[NC];
-    for (int c = 0; c < NC; ++c) x[c] = Load16(v + j * stride + c * kWide);
+    VW x[NC];
+    for (int c = 0; c < NC; ++c) x[c] = LoadW(v + j * stride + c * kWide);
     if (prefetch) PrefetchRow<NC>(v + j * stride + prefetch);
     for (int r = 0; r < RT; ++r) {
-      const V16 b = Splat16(w[r][j]);
+      const VW b = SplatW(w[r][j]);
       for (int c = 0; c < NC; ++c) a[r][c] += b * x[c];
     }
   }
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < NC; ++c) Store16(acc + r * H + c * kWide, a[r][c]);
+    for (int c = 0; c < NC; ++c) StoreW(acc + r * H + c * kWide, a[r][c]);
 }
 
-// A task on the decode path (H = NC * 16; token b's rows for kv head kv are kv * R + b * G + g in ws): the block's
-// pages are walked once, in order, in groups of up to 16 keys aligned to the page (a group never depends on the
+// A task on the decode path (H = NC * kWide; token b's rows for kv head kv are kv * R + b * G + g in ws): the block's
+// pages are walked once, in order, in groups of up to kWide keys aligned to the page (a group never depends on the
 // block: the same for a token alone or among others). Per group and kv head, each token that sees one of the keys
 // updates its G rows, tiles of up to 4 (DecodeTile), while the group's rows are in L1. So a token's rows go through
 // exactly the operations they would alone, whatever else is in its block: the bits do not depend on how the step
@@ -772,7 +765,7 @@ void DecodeTask(const Problem& p, const Task& task, Workspace& ws) {
       if (next >= 0 && next < p.P) next_delta = (static_cast<int64_t>(next) - page) * ps * stride;
     }
     const int64_t end = std::min(task.hi + 1, (pg + 1) * ps);
-    // Groups start at multiples of 16 keys into the page; keys before the block's first visible one are not read
+    // Groups start at multiples of kWide keys into the page; keys before the block's first visible one are not read
     // when a whole group lies before it.
     for (int64_t s0 = pg * ps + (std::max(task.lo, pg * ps) - pg * ps) / kWide * kWide; s0 < end; s0 += kWide) {
       const int n = static_cast<int>(std::min<int64_t>(kWide, end - s0));
@@ -839,8 +832,8 @@ bool DecodePathApplies(const Problem& p) {
 bool TryDecodeTask(const Problem& p, const Task& task, Workspace& ws) {
 #if defined(JAXSERVE_DECODE_PATH)
   switch (p.H) {
-    case 64: return DecodeTaskOfKind<4>(p, task, ws);
-    case 128: return DecodeTaskOfKind<8>(p, task, ws);
+    case 64: return DecodeTaskOfKind<64 / kWide>(p, task, ws);
+    case 128: return DecodeTaskOfKind<128 / kWide>(p, task, ws);
     default: return false;
   }
 #else
