@@ -72,6 +72,11 @@
 //     engine's batch-1 decode of that model 1.00-1.06x (4 paired runs, 10 rounds each), inside the noise: the
 //     lingering helper's polling (14% of perf samples) took the core from the host thread and the attention
 //     kernel's workers. Cold M = 1 products cost ~6.7 us + bytes / 21 GB/s each (576 x 576 .. 1536 x 3072).
+//   * AVX2 builds (AMD EPYC Zen 3 VM, 2026-12-06; hot 576 x 1536 products in one process, two builds alternating,
+//     same bits): the integer blocks' scales and zeros loaded in the sub-block's epilogue instead of once per group
+//     (fewer live registers): int4 M = 1 1.22x slower; 3 or 4 rows per integer block instead of 2: M = 16
+//     1.07-1.20x slower (M = 3-4 up to 10% faster); bf16 through the two-FMA path with x widened once per call
+//     (broadcast from memory) instead of PairBlock's per-row split of x's pairs: 1.0-1.4x slower at 1 / 2 / 16 rows.
 //
 // Targets (inputs; the output is y f32[M, N], N its second dimension):
 //   JaxserveMatmul      x f32[M, K], w f32[P, K, 32]
@@ -659,8 +664,11 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
 //         0x80 is taken apart as |q| (u8: 128 stays 128) times x with q's sign (|x| <= 127: no overflow), and a pair
 //         sums to at most 2 x 128 x 127 = 32,512; without the + 128 there is no offset to remove, and sum(q x) is
 //         the same integer as sum((q + 128) x) - 128 sum(x).
-// Measured on an AMD EPYC (Zen 3, AVX2 only) VM, M = 1 on cold weights (`bench --cold`), us per call before (the
-// portable loops) -> after: see `docs/benchmarks/cpu_matmul.md`.
+// Measured on an AMD EPYC (Zen 3, AVX2 only, 32 MiB L3) VM, M = 1 on cold weights (`bench --cold`, medians, the
+// first version of these blocks), us per call before (the portable loops) -> after: int4 G = 32 + zeros 576 x 576
+// 105.5 -> 24.4, 576 x 960 176.1 -> 39.2, 576 x 3072 560.8 -> 59.8, 1536 x 576 280.4 -> 43.4; int8 G = 32 52.1 ->
+// 30.2, 78.7 -> 39.1, 215.6 -> 80.4, 118.1 -> 54.5, 576 x 49152 3312 -> 1045 (2.0 -> 18.5 GB/s for int4 at
+// 576 x 3072). The default model's batch-1 decode (gguf): 21 -> 88 tok/s.
 inline __m256 LoadScales8(const float* s) { return _mm256_loadu_ps(s); }
 inline __m256 LoadScales8(const Half* s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
 
