@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import pathlib
 import shutil
 
 import jax
@@ -22,30 +21,23 @@ import pytest
 
 import cpu_kernels.ragged_paged_attention as native
 from cpu_kernels import build
+from native_builds import build_for, cpu_flags
 from pallas_kernels.ragged_paged_attention import reference
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler (g++) to build the native kernel"
 )
 
-_FLAGS = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if os.path.exists("/proc/cpuinfo") else set()
-AVX2 = {"avx2", "fma"} <= _FLAGS
-DECODE_PATH = "avx512f" in _FLAGS or AVX2  # the builds with the batch-invariant decode path
+AVX2 = {"avx2", "fma"} <= cpu_flags()
+DECODE_PATH = "avx512f" in cpu_flags() or AVX2  # the builds with the batch-invariant decode path
 
 
 @functools.cache
 def _avx2_target(lib_dir: str) -> str:
     """The kernel built for x86-64-v3 (AVX2 + FMA), registered once per process: its FFI target's name."""
-    import ctypes
-    import subprocess
-
-    lib_path = os.path.join(lib_dir, "attention.so")
-    flags = [f for f in build.FLAGS if not f.startswith("-march")] + ["-march=x86-64-v3"]
-    subprocess.run([build.compiler(), *flags, "-I", jax.ffi.include_dir(), native.SOURCE, "-o", lib_path],
-                   check=True, capture_output=True)
+    lib = build_for(native.SOURCE, "x86-64-v3", lib_dir)
     target = f"{native.TARGET}_avx2_test"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.CDLL(lib_path).JaxserveRaggedPagedAttention),
-                                platform="cpu")
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttention), platform="cpu")
     return target
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from cpu_kernels import build
 from cpu_kernels import matmul as native
+from native_builds import build_for, cpu_flags
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler (g++) to build the native kernel"
@@ -446,29 +447,14 @@ def test_falls_back_to_xla_when_the_library_cannot_be_built(fmt, monkeypatch):
     assert native.load()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
-@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
 def test_every_build_gives_the_same_bits(tmp_path):
     """kernel.cc built for plain x86-64 (SSE2: the portable C++ loops) and for x86-64-v3 (AVX2 + FMA + F16C, no
     AVX-512: the AVX2 integer blocks, vpmaddubsw / vpmaddwd) gives the same bits as the library in use (AVX-512 +
     VNNI on such a CPU, else the AVX2 build itself), for every format: exact integer sums, then the same float
     epilogue in the same order, whatever the instruction set."""
-    import ctypes
-    import subprocess
-
-    def build_for(march: str):
-        flags = [f for f in build.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
-        lib_path = str(tmp_path / f"{march}.so")
-        subprocess.run([build.compiler(), *flags, "-I", jax.ffi.include_dir(), native.SOURCE, "-o", lib_path],
-                       check=True, capture_output=True)
-        lib = ctypes.CDLL(lib_path)
+    def build(march: str):
+        lib = build_for(native.SOURCE, march, str(tmp_path))
         for target, symbol in native.TARGETS.values():
             jax.ffi.register_ffi_target(f"{target}_{march}_test", jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
@@ -482,7 +468,7 @@ def test_every_build_gives_the_same_bits(tmp_path):
 
         return jax.jit(matmul)
 
-    builds = {march: build_for(march) for march in ("x86-64", "x86-64-v3")}
+    builds = {march: build(march) for march in ("x86-64", "x86-64-v3")}
     cases = CASES + [(fmt, K, G, zeros, True) for fmt, K, G, zeros in CASES if fmt != "bf16"]
     for fmt, K, G, zeros, *f16 in cases + [("f32", 96, 0, False)]:
         if fmt == "f32":
@@ -525,7 +511,7 @@ np.savez(sys.argv[1], **out)
 """
 
 
-@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(), reason="needs AVX512_BF16: the two bf16 paths")
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="needs AVX512_BF16: the two bf16 paths")
 def test_bf16_fma_path_equals_dpbf16_path(tmp_path):
     """The bf16 format's two ways to multiply (`Bf16AsFma` in kernel.cc: vdpbf16ps, or two FMAs per k pair on
     widened weights, chosen per CPU and row count) give the same bits at every row count and K, odd K included: so

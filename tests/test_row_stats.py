@@ -15,6 +15,7 @@ import pytest
 from cpu_kernels import build
 from cpu_kernels import row_stats as native
 from jaxserve.sampler import SamplingInputs, sample
+from native_builds import build_for, cpu_flags
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler (g++) to build the native kernel"
@@ -41,28 +42,14 @@ def test_matches_float64(V):
     _check_rows(jax.jit(native.row_stats), V)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    except OSError:
-        return set()
-
-
-@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
 @pytest.mark.parametrize("march", ("x86-64", "x86-64-v3"))
 def test_every_build_matches_float64(march, tmp_path):
     """The kernel built for plain x86-64 (the portable loops) and for x86-64-v3 (AVX2 + FMA: the 8-lane exp and
     sums), whatever the library in use here is built for."""
-    import ctypes
-    import subprocess
-
-    flags = [f for f in build.FLAGS if not f.startswith("-march")] + [f"-march={march}"]
-    lib_path = str(tmp_path / f"{march}.so")
-    subprocess.run([build.compiler(), *flags, "-I", jax.ffi.include_dir(), native.SOURCE, "-o", lib_path],
-                   check=True, capture_output=True)
     target = f"row_stats_{march}_test"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.CDLL(lib_path).JaxserveRowStats), platform="cpu")
+    lib = build_for(native.SOURCE, march, str(tmp_path))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.JaxserveRowStats), platform="cpu")
 
     def stats(x):
         R = x.shape[0]

@@ -140,6 +140,25 @@ struct Problem {
   const float* xw = nullptr;
 };
 
+#if defined(__AVX2__)
+// AVX2 blocks: y[m0 .. m0 + R, the panel's columns] = acc[r][0..3] (8 columns each); the last panel's past N are
+// not written.
+template <int R>
+inline void StoreRows8(const Problem& p, int64_t panel, int64_t m0, const __m256 (*acc)[4]) {
+  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
+  for (int r = 0; r < R; ++r) {
+    float* y = p.y + (m0 + r) * p.n + n0;
+    if (cols == kNr) {
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + 8 * v, acc[r][v]);
+    } else {
+      alignas(32) float row[kNr];
+      for (int v = 0; v < 4; ++v) _mm256_store_ps(row + 8 * v, acc[r][v]);
+      std::memcpy(y, row, cols * sizeof(float));
+    }
+  }
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------------------------
 // Float formats: storage type, elements per k row of a panel, kMr = rows of x per register block (2 kMr accumulators
 // + 2 weight vectors + a broadcast <= 32). F32::Widen loads one k row (columns 0-15 and 16-31); Bf16::Widen widens
@@ -254,20 +273,6 @@ void Block(const Problem& p, int64_t panel, int64_t m0) {
 }
 #elif defined(JAXSERVE_AVX2_FLOAT)
 // AVX2: a panel's 32 columns as 4 vectors of 8, the same FMA chain per element as below.
-template <int R>
-inline void StoreRows8(const Problem& p, int64_t panel, int64_t m0, const __m256 (*acc)[4]) {
-  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
-  for (int r = 0; r < R; ++r) {
-    float* y = p.y + (m0 + r) * p.n + n0;
-    if (cols == kNr) {
-      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + 8 * v, acc[r][v]);
-    } else {
-      alignas(32) float row[kNr];
-      for (int v = 0; v < 4; ++v) _mm256_store_ps(row + 8 * v, acc[r][v]);
-      std::memcpy(y, row, cols * sizeof(float));
-    }
-  }
-}
 
 template <class Fmt, bool kZeros, int R>
 void Block(const Problem& p, int64_t panel, int64_t m0) {
@@ -735,17 +740,7 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
       }
     }
   }
-  const int64_t n0 = panel * kNr, cols = std::min(kNr, p.n - n0);
-  for (int r = 0; r < R; ++r) {
-    float* y = p.y + (m0 + r) * p.n + n0;
-    if (cols == kNr) {
-      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + 8 * v, acc[r][v]);
-    } else {
-      alignas(32) float row[kNr];
-      for (int v = 0; v < 4; ++v) _mm256_store_ps(row + 8 * v, acc[r][v]);
-      std::memcpy(y, row, cols * sizeof(float));
-    }
-  }
+  StoreRows8<R>(p, panel, m0, acc);
 }
 #else
 // Portable version: the same exact integer sums and the same float operations in the same order.
