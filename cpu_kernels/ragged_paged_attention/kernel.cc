@@ -679,7 +679,7 @@ inline void PrefetchRow(const E* row) {  // the cache lines of one H-element row
   for (int i = 0; i < NC * kWide * static_cast<int>(sizeof(E)); i += 64) __builtin_prefetch(b + i);
 }
 
-// RT query rows (q: f32[RT, H], times sm_scale) of one kv head against n <= 16 consecutive keys of one page (row j
+// RT query rows (q: f32[RT, H], times sm_scale) of one kv head against n <= kWide consecutive keys of one page (row j
 // of k / v at k + j * stride), of which j0 .. n - 1 are visible: scores, one online-softmax update of m / l / acc
 // (f32[RT], [RT], [RT, H]), and the weighted sum of the values (weight exactly 0 outside the visible ones). kscale /
 // vscale: the keys' scales (int8) or null. Only the n rows are read.
