@@ -467,6 +467,7 @@ void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
 // + i of the quad at w (portable path); `Load` gives the two u8 vectors (columns 0-15 and 16-31, 4 k per lane).
 // kMr = 6: 2 int32 + 2 f32 accumulators per row + 2 weights + scales and zeros + a broadcast <= 32 registers.
 #if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JAXSERVE_AVX2_INT 1  // the integer blocks below take their AVX2 form
 constexpr int64_t kIntMr = 2;  // AVX2: 4 s32 (or s16) sums + 4 f32 accumulators per row, in 16 registers
 #else
 constexpr int64_t kIntMr = 6;
@@ -659,7 +660,7 @@ void IntBlock(const Problem& p, int64_t panel, int64_t m0) {
   }
   StoreRows<R>(p, panel, m0, acc0, acc1);
 }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(JAXSERVE_AVX2_INT)
 // AVX2 without VNNI (e.g. AMD Zen 2 / 3): the same exact int32 sums from vpmaddubsw (u8 x s8 -> s16 pairs) and
 // vpmaddwd (s16 pairs -> s32), then the same float epilogue as above, so the same bits. A panel's 32 columns are 4
 // vectors of 8 (int8: 4 loads of a quad; int4: one 64-byte quad's low nibbles are columns 0-15, its high ones 16-31).
