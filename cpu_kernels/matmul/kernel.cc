@@ -194,7 +194,12 @@ struct Bf16 {  // a bf16 is the top half of an f32: shifting its bits left by 16
   }
 };
 // bf16 weights in the same panels, multiplied by two f32 FMAs per k pair instead of one vdpbf16ps (`Bf16AsFma`).
-struct Bf16Fma : Bf16 {};
+// AVX2: 4 rows per block, each half of the panel (16 columns) in turn: 8 accumulators + 4 widened weights.
+struct Bf16Fma : Bf16 {
+#if defined(JAXSERVE_AVX2_FLOAT)
+  static constexpr int64_t kMr = 4;
+#endif
+};
 
 // x rounded to bf16 for the bf16 format: to nearest even, NaN stays a (quiet) NaN, and zero or subnormal inputs
 // become a signed zero (vdpbf16ps reads subnormal inputs as zero; flushing here makes every path agree). Integer
@@ -434,6 +439,46 @@ void PairBlock(const Problem& p, int64_t panel, int64_t m0) {
     }
   }
   StoreRows8<R>(p, panel, m0, acc);
+}
+
+// AVX2, the FMA path for products of more rows (`Bf16AsFma`): R rows against one half of the panel (16 columns,
+// one 64-byte line per k pair) at a time, x's rounded values (p.xw) broadcast from memory. Per k pair 16 FMAs for 2
+// loads and 4 widening operations, where PairBlock spends 8 widening and 6 splitting operations on x per 16 FMAs.
+// The same FMAs in the same order per output, so the same bits as PairBlock.
+template <int R>
+void WideBlock(const Problem& p, int64_t panel, int64_t m0) {
+  __m256 out[R][4];
+  const uint16_t* panel_w = static_cast<const uint16_t*>(p.w) + panel * p.k * kNr;
+  const int64_t pairs = p.k / 2;
+  const float* x = p.xw + m0 * p.k;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const uint16_t* w = panel_w + 32 * h;
+    for (int64_t kq = 0; kq < pairs; ++kq, w += 2 * kNr) {
+      const __m256i b0 = _mm256_loadu_si256((const __m256i*)w), b1 = _mm256_loadu_si256((const __m256i*)(w + 16));
+      const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(b0, high));
+      const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(b1, high));
+      const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16));
+      const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xo = _mm256_broadcast_ss(x + r * p.k + 2 * kq + 1), xe = _mm256_broadcast_ss(x + r * p.k + 2 * kq);
+        acc[r][0] = _mm256_fmadd_ps(xe, even0, _mm256_fmadd_ps(xo, odd0, acc[r][0]));
+        acc[r][1] = _mm256_fmadd_ps(xe, even1, _mm256_fmadd_ps(xo, odd1, acc[r][1]));
+      }
+    }
+    if (p.k % 2) {  // the last k row: 32 bf16, one per column
+      const uint16_t* last = panel_w + pairs * 2 * kNr + 16 * h;
+      for (int v = 0; v < 2; ++v) {
+        const __m256 b = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(last + 8 * v))), 16));
+        for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * p.k + 2 * pairs]), b, acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r][2 * h] = acc[r][0], out[r][2 * h + 1] = acc[r][1];
+  }
+  StoreRows8<R>(p, panel, m0, out);
 }
 #else
 template <int R>
@@ -804,7 +849,7 @@ constexpr auto MakeBlockTable(std::integer_sequence<int, Rs...>) {
   } else if constexpr (std::is_same_v<Fmt, Bf16>) {
     return std::array<BlockFn, sizeof...(Rs)>{&PairBlock<Rs + 1>...};
   } else if constexpr (std::is_same_v<Fmt, Bf16Fma>) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(JAXSERVE_AVX2_FLOAT)
     return std::array<BlockFn, sizeof...(Rs)>{&WideBlock<Rs + 1>...};
 #else
     return std::array<BlockFn, sizeof...(Rs)>{&PairBlock<Rs + 1>...};  // never chosen (Bf16AsFma)
@@ -985,10 +1030,15 @@ __attribute__((noinline)) double ChainRate(int64_t iters) {
 // at 1-4 rows (bound by the weight's bytes) vdpbf16ps stays, as it measured ~10% faster at one row. CPUs that run
 // vdpbf16ps at the FMA rate keep it throughout. Decided once per process by timing both (~1 ms, best of 3), or by
 // the environment: JAXSERVE_MATMUL_BF16=fma | dpbf16 (either at every row count). Without AVX512_BF16 the FMA path
-// is the fast one at any m (PairFma would widen per row). AVX2 builds keep PairBlock (x's pairs split per row): the
-// FMA path with x widened once per call measured 1.0-1.4x slower there (hot 576 x 1536, 1 / 2 / 16 rows, 2026-12-06).
+// is the fast one at any m (PairFma would widen per row). AVX2 builds keep PairBlock (x's pairs split per row) up to
+// kStreamRows rows: the FMA path with x widened once per call, on the same 2 x 4 register block, measured 1.0-1.4x
+// slower at 1 / 2 / 16 rows; above that, the FMA path's own block of 4 rows x 16 columns (AVX2 `WideBlock`) takes
+// 0.82-0.99x PairBlock's time (hot 576 x 1536, two builds alternating in one process, AMD EPYC Zen 3, 2026-12-06: 16
+// rows 0.87-0.99x over 5 runs, 64 rows 0.82-0.93x over 3; 6 rows x 16 columns measured 1.2-1.4x slower than 4).
 bool Bf16AsFma(int64_t m) {
-#if !defined(__AVX512F__)
+#if defined(JAXSERVE_AVX2_FLOAT)
+  return m > kStreamRows;
+#elif !defined(__AVX512F__)
   return false;
 #elif !defined(__AVX512BF16__)
   return true;
