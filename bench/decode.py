@@ -227,6 +227,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="with --schemes: time a model of the default model's dimensions with N layers of random "
                     "weights instead (made once; 150 layers = 560M parameters), so the weights outgrow the CPU's "
                     "cache and the roofline is DRAM's; no llama.cpp twin, no gguf schemes")
+    ap.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                    help="jaxserve's kv_cache_dtype (auto = the model dtype, float32 on CPU; bfloat16 reads half the "
+                    "bytes, like llama.cpp's default f16 cache)")
     ap.add_argument("--schemes", nargs="+", default=None, metavar="SCHEME",
                     help="weight schemes to time, each beside llama.cpp on the matching GGUF (decode_schemes.py): "
                     + ", ".join(SCHEME_PEERS) + " (gguf = the shipped Q4_1 file's blocks; gguf:X = variant X's)")
@@ -256,7 +259,8 @@ def run(args) -> dict:
     # No precompile: the warm-up runs the exact timed workloads, so it compiles every bucket they use, and the
     # num_compiles check below fails the run if a timed step compiled anyway.
     eng = LLM(max_model_len=max(1024, max_len), max_num_seqs=max(16, max(args.batches)), precompile=False,
-              max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len)).llm_engine
+              max_num_batched_tokens=max(2048, max(args.batches) * args.prompt_len),
+              kv_cache_dtype=args.kv_cache_dtype).llm_engine
     mc = eng.model_config
     weight_bytes = mc.num_params * eng.runner.dtype.itemsize
     kv_bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * eng.runner.kv_dtype.itemsize

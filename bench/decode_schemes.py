@@ -65,12 +65,15 @@ def run_schemes(args) -> dict:
                 skipped[scheme] = f"jaxserve {scheme}: {why}"
                 continue
         eng = LLM(path or model, quantization=scheme.partition(":")[0], max_model_len=max_len, max_num_seqs=max(16, B),
-                  max_num_batched_tokens=max(2048, B * P), precompile=False).llm_engine
+                  max_num_batched_tokens=max(2048, B * P), precompile=False,
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")).llm_engine
         nbytes, params, forms = streamed_weights(eng.runner.weights)
         mc = eng.model_config
         weights[scheme] = dict(bytes=nbytes, bits_per_weight=8 * nbytes / params, stored_as=forms,
+                               kv_dtype=eng.runner.kv_dtype.name,
                                kv_bytes_per_token=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
-                               * eng.runner.kv_dtype.itemsize)
+                               * eng.runner.kv_dtype.itemsize,
+                               f16_kv_bytes_per_token=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2)
         jax_engines[scheme] = eng
     lc_runs = {}
     if deep:
@@ -125,7 +128,7 @@ def run_schemes(args) -> dict:
         v = SCHEME_PEERS[scheme]
         for b in args.batches:
             w = weights[scheme]
-            roof_steps = bandwidth["median"] / (w["bytes"] + b * mean_ctx * w["kv_bytes_per_token"])
+            roof_steps = roofline_steps(bandwidth["median"], w["bytes"], w["kv_bytes_per_token"], b, mean_ctx)
             j = stats([x["tok_s"] for x in raw[f"jaxserve {scheme}"][b]])
             peer = raw.get(f"llama.cpp {v}", {}).get(b)
             p = stats([x["tok_s"] for x in peer]) if peer else None
@@ -133,7 +136,8 @@ def run_schemes(args) -> dict:
                        ratio=j["median"] / p["median"] if p else None, roofline_tok_s=b * roof_steps,
                        pct_roofline=100 * j["median"] / (b * roof_steps))
             if p:  # llama.cpp's own roofline: its file's 2-D tensors plus an f16 KV cache
-                lc_roof = bandwidth["median"] / (gguf[v]["bytes"] + b * mean_ctx * w["kv_bytes_per_token"] / 2)
+                lc_roof = roofline_steps(bandwidth["median"], gguf[v]["bytes"], w["f16_kv_bytes_per_token"], b,
+                                         mean_ctx)
                 row["llamacpp_pct_roofline"] = 100 * p["median"] / (b * lc_roof)
             row["goal"] = goal_check(row)
             results.append(row)
@@ -158,6 +162,12 @@ def run_schemes(args) -> dict:
                ylabel="tokens/s")
     print("\n" + md)
     return record
+
+
+def roofline_steps(bandwidth: float, weight_bytes: float, kv_bytes_per_token: float, batch: int,
+                   context: float) -> float:
+    """Decode steps/s if a step only streamed every weight once and each sequence's KV cache at `context` tokens."""
+    return bandwidth / (weight_bytes + batch * context * kv_bytes_per_token)
 
 
 def goal_check(row: dict) -> str:
@@ -206,7 +216,9 @@ def report_schemes(rec: dict) -> str:
           f"{a['prompt_len'] + a['new_tokens'] // 2}); copy bandwidth {fmt(bw, 2)} GB/s (read + write, np.copyto of "
           f"{rec.get('copy_mib', 256)} MiB). "
           "Weight bytes: the seven linear maps per layer and the logits projection as the runner holds them (the "
-          "native kernel's panels, scales, zeros, padding); llama.cpp's: its file's 2-D tensors, f16 KV.", "",
+          "native kernel's panels, scales, zeros, padding); llama.cpp's: its file's 2-D tensors, f16 KV. "
+          "jaxserve's KV cache: " + ", ".join(sorted({x.get("kv_dtype", "float32") for x in w.values()}))
+          + f" (kv_cache_dtype={a.get('kv_cache_dtype', 'auto')}).", "",
           "llama.cpp: llama-cpp-python's low-level loop (`LlamaCppLoop`: one context with a sequence slot per "
           f"prompt, one `llama_decode` per step for every sequence, greedy argmax in numpy), {env['cpu_count']} "
           "threads, flash attention off, at batch 1 too (HF and vLLM have no quantized twin here and are not run in "

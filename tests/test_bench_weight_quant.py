@@ -88,6 +88,36 @@ def test_goal_column():
     assert decode_schemes.goal_check({**row, "ratio": None}) == "yes"  # no peer ran: only the roofline goal
 
 
+def test_schemes_report_names_the_kv_cache():
+    """`bench latency --schemes ... --kv-cache-dtype bfloat16`: the option reaches the run's arguments, and the
+    table says which KV cache jaxserve read."""
+    ap = argparse.ArgumentParser()
+    from bench import decode
+
+    decode.add_args(ap)
+    args = ap.parse_args(["--schemes", "int8", "--kv-cache-dtype", "bfloat16", "--batches", "16"])
+    assert args.kv_cache_dtype == "bfloat16"
+    w = dict(bytes=100e6, bits_per_weight=8.5, stored_as="int8 g32 x 211", kv_dtype="bfloat16",
+             kv_bytes_per_token=23040, f16_kv_bytes_per_token=23040)
+    row = dict(scheme="int8", batch=16, peer="Q8_0", jaxserve_tok_s=dict(median=300.0, min=290.0, max=310.0),
+               llamacpp_tok_s=dict(median=200.0, min=190.0, max=210.0), ratio=1.5, roofline_tok_s=1000.0,
+               pct_roofline=30.0, llamacpp_pct_roofline=25.0, goal="yes")
+    env = dict(backend="cpu", cpu="x", cpu_count=2, other_processes_cores=0.0, loadavg_before=[0, 0, 0],
+               loadavg_after=[0, 0, 0], steal_pct=0.0, git="abc", python="3.11", versions={}, date="today")
+    rec = dict(args=vars(args) | dict(reps=3), env=env, weights={"int8": w},
+               gguf={"Q8_0": dict(file="q8.gguf", types={"Q8_0": 211}, bytes=140e6)}, results=[row], skipped={},
+               copy_bandwidth_Bps={"median": 25e9, "min": 24e9, "max": 26e9}, command="python -m bench latency")
+    md = decode_schemes.report_schemes(rec)
+    assert "jaxserve's KV cache: bfloat16 (kv_cache_dtype=bfloat16)" in md
+    assert "| int8 | int8 g32 x 211 | 8.50 | 16 |" in md
+
+
+def test_roofline_counts_weights_once_and_each_sequences_kv():
+    # 1 GB/s over 1 MB of weights + 16 sequences x 100 tokens x 1 kB of KV = 2.6 MB per step
+    assert decode_schemes.roofline_steps(1e9, 1e6, 1e3, 16, 100) == pytest.approx(1e9 / 2.6e6)
+    assert decode_schemes.roofline_steps(1e9, 1e6, 0, 16, 100) == pytest.approx(1e3)
+
+
 def test_quick_run_on_a_tiny_model_matches_hf(tmp_path):
     torch = pytest.importorskip("torch")
     from tiny_models import make_tiny_model
