@@ -1,5 +1,7 @@
 """Model parity with HF transformers on tiny random checkpoints, through the paged cache and the ragged step."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -89,3 +91,38 @@ def test_hidden_states_match_hf(tmp_path):
     for j in (0, 1):
         np.testing.assert_allclose(np.asarray(hidden[j]), ref[j][0].numpy(), atol=ATOL)
     np.testing.assert_allclose(np.asarray(h), ref[-1][0].numpy(), atol=ATOL)
+
+
+@pytest.mark.parametrize("materialize", [False, True])
+def test_rope_tables_are_computed_once_per_step(materialize):
+    """`rope_tables(..., materialize=True)` (the CPU step): the cos and sin reach every layer's RoPE as buffers, so
+    XLA:CPU evaluates them once per step, not inside each layer's fusion (layers apart: a product between them, as
+    the step's matmuls are); the values agree with the plain tables, and a position's bits do not depend on how many
+    tokens the step holds (batch invariance)."""
+    from jaxserve.model.layers import apply_rope, rope_tables
+
+    inv_freq = jnp.asarray(1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16), jnp.float32)
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.standard_normal((4, 16, 16)) / 4, jnp.float32)
+
+    def layers(x, positions, materialize):
+        rope = rope_tables(positions, inv_freq, materialize=materialize)
+        for w in ws:  # four "layers": a product, then RoPE
+            x = apply_rope((x.reshape(-1, 16) @ w).reshape(x.shape), rope)
+        return x
+
+    fn = jax.jit(layers, static_argnums=2)
+    x = jnp.asarray(rng.standard_normal((16, 3, 16)), jnp.float32)
+    positions = jnp.arange(16, dtype=jnp.int32) * 37 + 5
+    num_cos = fn.lower(x, positions, materialize).compile().as_text().count(" cosine(")
+    if materialize:
+        assert num_cos <= 2  # the conditional's two branches
+    else:
+        assert num_cos >= 4  # XLA:CPU's fusion copies it into each layer: what materialize is for
+    np.testing.assert_allclose(np.asarray(fn(x, positions, materialize)), np.asarray(fn(x, positions, False)),
+                               rtol=1e-5, atol=1e-5)
+    tables = jax.jit(rope_tables, static_argnames="materialize")
+    alone = [np.asarray(t) for t in tables(positions[5:6], inv_freq, materialize=materialize)]
+    among = [np.asarray(t) for t in tables(positions, inv_freq, materialize=materialize)]
+    for a, b in zip(alone, among):
+        np.testing.assert_array_equal(a[0], b[5])

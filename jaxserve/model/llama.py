@@ -226,7 +226,8 @@ def forward(
     """
     if backends is None:
         backends = ops.Backends.default(packed_weights=isinstance(weights.lm_head, ops.PackedLinear))
-    rope = rope_tables(inputs.positions, jnp.asarray(rope_inv_freq(cfg)))  # once for every layer
+    rope = rope_tables(inputs.positions, jnp.asarray(rope_inv_freq(cfg)),  # once for every layer
+                       materialize=jax.default_backend() == "cpu")
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     # The native CPU step is batch-invariant bit for bit (README, *Batch invariance*): its norms too. Not under a
     # tensor-parallel mesh, whose partitioner would have to place the custom call.
