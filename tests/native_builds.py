@@ -4,6 +4,7 @@ so one machine can test the AVX2 and the portable paths as well as its own."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import subprocess
 
@@ -12,13 +13,14 @@ import jax
 from cpu_kernels import build
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo), empty where there is none."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo, read once), empty where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
+            return frozenset(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
     except OSError:
-        return set()
+        return frozenset()
 
 
 def build_for(source: str, march: str, out_dir: str) -> ctypes.CDLL:
