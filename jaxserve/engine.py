@@ -104,8 +104,8 @@ class LLMEngine:
         cfg = self.config
         self.spec = None if parts.proposer is None else Speculator(cfg, parts.proposer)
         self.block_manager = block_manager or BlockManager(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
-        holdback = 0 if self.spec is None else self.spec.proposer.prefix_holdback_pages
-        self.scheduler = Scheduler(cfg, self.block_manager, prefix_holdback_pages=holdback)
+        reuse = None if self.spec is None else self.spec.proposer.reusable_prefix
+        self.scheduler = Scheduler(cfg, self.block_manager, prefix_reuse=reuse)
         self.output = OutputProcessor(self.tokenizer, parts.eos_token_ids, cfg.max_model_len)
         self.inputs = InputProcessor(cfg, self.model_config.vocab_size, self.tokenizer, self.output.stop_ids)
         self.builder = StepBuilder(cfg, self.output.stop_ids)

@@ -22,8 +22,8 @@ last (max_tokens, max_model_len) is not scheduled again.
 Speculative decoding: a decoding sequence may carry draft tokens (`seq.spec_token_ids`, set by the engine's
 proposer before `schedule`). Its step then computes 1 + K tokens (its last token and the K drafts, verified in the
 same ragged batch as everything else), K cut to fit the budget, and pages are reserved for all of them; the engine
-rolls back the rejected ones (`advance`). A proposer may ask that prefix-cache hits reuse fewer pages
-(`prefix_holdback_pages`: EAGLE-3's head needs its last cached page recomputed; spec_decode/eagle3.py says why).
+rolls back the rejected ones (`advance`). A proposer may ask that a prefix-cache hit reuse fewer pages
+(`prefix_reuse`: EAGLE-3's head may need its last cached page recomputed; spec_decode/eagle3.py says when).
 
 The engine reaches pages only through the scheduler: `advance` after a step, `finish` and `fail` at the end.
 """
@@ -31,6 +31,7 @@ The engine reaches pages only through the scheduler: `advance` after a step, `fi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
@@ -50,14 +51,16 @@ class ScheduledWork:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, prefix_holdback_pages: int = 0):
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager,
+                 prefix_reuse: Callable[[Sequence, int], int] | None = None):
         self.cfg = cfg
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
-        self.prefix_holdback_pages = prefix_holdback_pages  # cached pages a prefix hit recomputes anyway
+        # (seq, cached tokens found) -> tokens it may reuse (a proposer's `reusable_prefix`); None: all of them
+        self.prefix_reuse = prefix_reuse
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.num_steps
@@ -100,10 +103,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hit = self.block_manager.reuse_prefix(seq)
-            if hit and self.prefix_holdback_pages:  # the proposer's state in the last cached pages is not reusable
-                hit = max(0, hit - self.prefix_holdback_pages * self.block_manager.page_size)
-                self.block_manager.trim(seq, hit)
-                seq.num_computed_tokens = hit
+            if hit and self.prefix_reuse is not None:  # the proposer's state in the last cached pages may not be
+                kept = self.prefix_reuse(seq, hit)      # reusable
+                if kept < hit:
+                    hit = kept
+                    self.block_manager.trim(seq, hit)
+                    seq.num_computed_tokens = hit
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 self.block_manager.free(seq)  # the prefix pages go back to the cache untouched

@@ -6,6 +6,7 @@ Heads are random (written here with safetensors, nothing downloaded), so they ac
 (zero lm_head: it always drafts the same token) so that accepted drafts, and the catch-up over them, happen too.
 """
 
+import dataclasses
 import json
 import os
 
@@ -256,6 +257,40 @@ def test_head_forward_matches_torch_reference(target, tmp_path, fmt, flags, pack
     d = int(np.argmax(got[3] if packed == "bf16" else want[3]))
     logits2 = jnp.asarray(got[3])[None]
     assert int(greedy_target_ids(hw, logits2)[0]) == d + int(w["d2t"][d])  # d2t offsets into the target vocab
+
+
+@pytest.mark.parametrize("packed", [None, "int8"])
+def test_catch_up_computes_only_each_sequences_last_token(target, tmp_path, packed):
+    """`eagle3_forward(..., last_only=True)`, the catch-up pass: every pair's KV is written as in the full pass,
+    and the output rows (next hidden, normed) are the full pass's rows at each sequence's last token."""
+    if packed and not ops.native_matmul_available():
+        pytest.skip("the native CPU matmul library is not available")
+    tcfg = load_checkpoint(target[0]).config
+    make_head(str(tmp_path), seed=5)
+    cfg, hw = load_eagle3(str(tmp_path), tcfg, np.float32)
+    if packed:
+        hw = store_head(hw, packed)
+    rng = np.random.default_rng(2)
+    embed = jnp.asarray(rng.standard_normal((V, D)).astype(np.float32))
+    ps = 4
+    seqs = [ScheduledSeq(rng.integers(0, V, 11).tolist(), 0, [3, 1, 4]),  # a prompt's catch-up
+            ScheduledSeq(rng.integers(0, V, 2).tolist(), 5, [2, 5])]  # two accepted tokens after 5 earlier ones
+    b = choose_bucket(13, 3, (16,), (4,), 4)  # 4 sequence slots: 2 of them padding
+    jin = jax.tree.map(jnp.asarray, build_step_inputs(seqs, b, ps))
+    feats = jnp.asarray(rng.standard_normal((16, 3 * D)).astype(np.float32))
+    kv0 = init_kv_cache(cfg.layer, 7, ps, jnp.float32)
+    kv0 = dataclasses.replace(kv0, k=kv0.k + 0.5, v=kv0.v - 0.25)  # earlier keys of the second sequence
+    fwd = jax.jit(eagle3_forward, static_argnums=0, static_argnames=("from_target", "last_only"))
+    h, normed, kv = fwd(cfg, hw, embed, kv0, jin, feats, from_target=True)
+    h1, normed1, kv1 = fwd(cfg, hw, embed, kv0, jin, feats, from_target=True, last_only=True)
+    assert h1.shape == (4, D) and normed1.shape == (4, D)
+    np.testing.assert_array_equal(np.asarray(kv1.k), np.asarray(kv.k))
+    np.testing.assert_array_equal(np.asarray(kv1.v), np.asarray(kv.v))
+    last = [10, 12]  # each real sequence's last token in the step
+    np.testing.assert_allclose(np.asarray(h1)[:2], np.asarray(h)[last], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(normed1)[:2], np.asarray(normed)[last], rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.asarray(greedy_target_ids(hw, draft_logits(hw, normed1[:2]))),
+                          np.asarray(greedy_target_ids(hw, draft_logits(hw, normed[jnp.asarray(last)]))))
 
 
 def test_layer_id_conventions_capture_the_same_tensors(target, tmp_path):
@@ -550,6 +585,26 @@ def test_prefix_cache_hit_leaves_the_head_kv_valid(target, tmp_path):
     eng.add_request("b", {"prompt_token_ids": b}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert _check_drafts(eng, model, w, {}, steps=5) >= 4
     assert eng.block_manager.num_prefix_hits - hits == 4  # two pages matched, the last one recomputed
+
+
+def test_prefix_cache_hit_reuses_every_page_when_the_next_token_is_shared(target, tmp_path):
+    """C shares A's first two pages *and* the token after them (a shared system prompt that ends past a page
+    boundary): A's head paired the last shared slot with that very token, so C reuses both pages (no page
+    recomputed, unlike `test_prefix_cache_hit_leaves_the_head_kv_valid`'s B) and its drafts still equal the
+    reference."""
+    tpath, model = target
+    w = make_head(str(tmp_path), "speculators", seed=6)
+    eng = LLM(tpath, **_engine_args(speculative_config=_eagle(str(tmp_path)))).llm_engine
+    rng = np.random.default_rng(2)
+    a = rng.integers(3, V, 14).tolist()
+    c = a[:9] + [t % (V - 3) + 3 for t in np.add(a[9:], 7)]
+    eng.add_request("a", {"prompt_token_ids": a}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    hits = eng.block_manager.num_prefix_hits
+    eng.add_request("c", {"prompt_token_ids": c}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert _check_drafts(eng, model, w, {}, steps=5) >= 4
+    assert eng.block_manager.num_prefix_hits - hits == 8  # both matched pages reused
 
 
 def test_precompiled_engine_never_recompiles(target, rigged_head, prompts_and_plain):

@@ -169,12 +169,18 @@ def test_cached_pages_survive_free_until_evicted_lru():
 
 
 @pytest.mark.parametrize("holdback", [0, 1, 2])
-def test_prefix_holdback_pages_recompute_the_last_cached_pages(holdback):
-    """A proposer may ask that prefix hits reuse `holdback` pages fewer (EAGLE-3: 1): those pages are recomputed,
-    the earlier ones shared, and the block manager's books stay consistent."""
+def test_a_proposer_may_have_prefix_hits_recompute_the_last_cached_pages(holdback):
+    """A proposer may ask that a prefix hit reuse fewer pages (`prefix_reuse`; EAGLE-3: 0 or 1 fewer): those pages
+    are recomputed, the earlier ones shared, and the block manager's books stay consistent."""
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=4)
     bm = BlockManager(num_pages=32, page_size=4)
-    sched = Scheduler(cfg, bm, prefix_holdback_pages=holdback)
+    asked = []
+
+    def reuse(seq, hit):
+        asked.append(hit)
+        return hit - 4 * holdback
+
+    sched = Scheduler(cfg, bm, prefix_reuse=reuse)
     prompt = list(range(100, 113))  # 3 full pages + 1 token
     a = seq_of(prompt)
     computed(bm, a, 13)
@@ -182,6 +188,7 @@ def test_prefix_holdback_pages_recompute_the_last_cached_pages(holdback):
     sched.add(b)
     (w,) = sched.schedule()
     reused = 3 - holdback
+    assert asked == [12]
     assert b.num_computed_tokens == 4 * reused and w.num_tokens == 13 - 4 * reused
     assert b.page_ids[:reused] == a.page_ids[:reused] and set(b.page_ids[reused:]).isdisjoint(a.page_ids)
     bm.check()

@@ -177,10 +177,17 @@ def eagle3_forward(
     *,
     from_target: bool,
     backends: ops.Backends | None = None,
+    last_only: bool = False,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """One ragged step of the head. Returns (next_hidden f[T, D], normed f[T, D], kv): `next_hidden` feeds the next
     draft step, `draft_logits(w, normed[rows])` gives the draft-vocabulary logits. `backends`: the target's (see
-    `llama.forward`); None = `ops.Backends.default()`, resolved when traced."""
+    `llama.forward`); None = `ops.Backends.default()`, resolved when traced.
+
+    `last_only`: every token's KV is written, but attention, the output projection and the MLP run only for each
+    sequence slot's last token (`inputs.logits_indices[:S]`, S = the step's sequence slots), and next_hidden /
+    normed are f[S, D], one row per slot. That is all a catch-up pass uses; over a prompt it skips most of the
+    layer's work. The rows it keeps are computed as in the full pass (bit for bit where the kernels are
+    batch-invariant, as the native CPU ones are)."""
     T = inputs.token_ids.shape[0]
     h = fuse_features(cfg, w, hidden) if from_target else hidden
     with jax.named_scope("eagle3_attention"):
@@ -188,6 +195,15 @@ def eagle3_forward(
         layer = jnp.zeros((), jnp.int32)
         native = backends is not None and backends.native_single_device  # see `write_kv`
         kv = write_kv(kv, layer, k, v, inputs.slot_mapping, native=native)
+        if last_only:  # one query per sequence slot: its last token, at position seq_len - 1
+            S = inputs.seq_lens.shape[0]
+            rows = inputs.logits_indices[:S]
+            q, residual, T = q[rows], residual[rows], S
+            inputs = StepInputs(
+                token_ids=inputs.token_ids[rows], positions=inputs.positions[rows],
+                slot_mapping=inputs.slot_mapping[rows], block_tables=inputs.block_tables, seq_lens=inputs.seq_lens,
+                cu_q_lens=jnp.arange(S + 1, dtype=jnp.int32), num_seqs=inputs.num_seqs,
+                logits_indices=jnp.arange(S, dtype=jnp.int32))
         meta = attention.token_metadata(inputs)
         o = attention.ragged_paged_attention(q, kv, layer, inputs, meta, sm_scale=1.0 / math.sqrt(cfg.layer.head_dim),
                                              backends=backends)

@@ -36,9 +36,12 @@ only bites in the last slots of a page.
 Rejected drafts' slots are simply overwritten by the next catch-up.
 
 Preemption drops the target KV and with it the head's (both recomputed, and the head catches up along the
-prefill). Prefix caching: a cached page's head KV was written by the sequence that computed it, but its last slot
-pairs with the *next* page's first token, which a new sequence may not share; the scheduler therefore reuses one
-page fewer with EAGLE-3 (that page is recomputed, which also yields the features the catch-up needs).
+prefill). Prefix caching: a cached page's head KV was written by the sequence that computed it, and its last slot
+pairs the page's last position with the *next* page's first token, which a new sequence may not share. The head
+remembers, per page hash, the token it paired that slot with (`_pairs`); a hit whose next token is the same reuses
+every cached page (a shared system prompt that ends past a page boundary: the common case), otherwise the
+scheduler reuses one page fewer (`reusable_prefix`: that page is recomputed, which also yields the features the
+catch-up needs).
 """
 
 from __future__ import annotations
@@ -99,11 +102,10 @@ def draft_fn(
     a: CatchUpInputs = layout.unpack(packed)
     inputs = a.step
     S = a.num_draft.shape[0]
-    nxt, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a.feature_rows], from_target=True,
-                                     backends=backends)
-    rows = inputs.logits_indices[:S]  # each sequence's last caught-up pair
-    tok = greedy_target_ids(weights, draft_logits(weights, normed[rows]))
-    h = nxt[rows]
+    # the head's KV for every caught-up pair; its output only for each sequence's last one (the first draft's)
+    h, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a.feature_rows], from_target=True,
+                                   backends=backends, last_only=True)
+    tok = greedy_target_ids(weights, draft_logits(weights, normed))
     bt = inputs.block_tables  # [S, P]
     P = bt.shape[1]
     seq_idx = jnp.arange(S, dtype=jnp.int32)
@@ -150,8 +152,6 @@ def head_scheme(spec: SpeculativeConfig, target_scheme: str | None) -> str:
 class Eagle3Proposer(Proposer):
     """Drafts are made in `after_step` from the target's features and wait in seq.spec_token_ids."""
 
-    prefix_holdback_pages = 1  # a cached page's last head-KV slot pairs it with the next page (module doc)
-
     def __init__(self, spec: SpeculativeConfig, engine_cfg: EngineConfig, target: ModelConfig, runner):
         self.engine_cfg = engine_cfg
         self.k = spec.num_speculative_tokens
@@ -172,6 +172,10 @@ class Eagle3Proposer(Proposer):
         fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.page_size, backends)
         self.runner = ProposerRunner(fn, host, kv, shared=runner.head_embed, sharding=runner._replicated)
         self._layouts: dict[Bucket, Layout] = {}
+        # page hash -> the token the head paired the page's last slot with (module doc), the oldest dropped past
+        # a bound (a page's hash outlives its page in the cache only until it is recomputed or evicted)
+        self._pairs: dict[int, int] = {}
+        self._max_pairs = 4 * engine_cfg.num_pages
         logger.info(
             "EAGLE-3 head %s: draft vocab %d, target layers %s (input convention), linear maps as %s",
             spec.model, self.cfg.draft_vocab_size, list(self.cfg.aux_layer_ids), self.scheme,
@@ -213,6 +217,15 @@ class Eagle3Proposer(Proposer):
     def draft(self, seq, k: int) -> list[int]:
         return seq.spec_token_ids[:k]  # drafted at the end of the previous step
 
+    def reusable_prefix(self, seq, hit: int) -> int:
+        """All `hit` cached tokens if the head paired the last cached page's last slot with the token `seq` has
+        next; else one page fewer (module doc)."""
+        ps = self.engine_cfg.page_size
+        last = hit // ps - 1
+        if last < len(seq.page_hashes) and self._pairs.get(seq.page_hashes[last]) == seq.token_ids[hit]:
+            return hit
+        return max(0, hit - ps)
+
     # `verified`: nothing to roll back, the next catch-up overwrites the slots of rejected drafts.
 
     def after_step(self, work, starts: list[int], ends: list[int], aux: jax.Array, draft_cap, k_hint=None) -> None:
@@ -238,6 +251,10 @@ class Eagle3Proposer(Proposer):
             n = seq.num_tokens
             # pair (f_p, t_{p+1}) for the positions p the target computed and kept this step
             seqs.append(ScheduledSeq(seq.token_ids[start + 1 : start + 1 + n_valid], start, seq.page_ids))
+            for p in range(start + ps - 1 - start % ps, start + n_valid, ps):  # pages whose last slot this writes
+                if p // ps < len(seq.page_hashes):
+                    self._pairs.pop(seq.page_hashes[p // ps], None)  # re-inserted as the newest
+                    self._pairs[seq.page_hashes[p // ps]] = seq.token_ids[p + 1]
             feature_rows.extend(range(row0, row0 + n_valid))
             k = 0
             if not seq.is_finished and seq.num_uncomputed_tokens == 1:
@@ -247,6 +264,8 @@ class Eagle3Proposer(Proposer):
             num_draft.append(max(k, 0))
             owners.append(seq)
             seq.draft_num_computed = end
+        while len(self._pairs) > self._max_pairs:
+            del self._pairs[next(iter(self._pairs))]
         if not seqs:
             return
         b = self._bucket(aux.shape[0], max(len(s.page_ids) for s in seqs))

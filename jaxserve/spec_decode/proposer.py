@@ -13,15 +13,17 @@ class Proposer(Protocol):
     """What every speculative method implements (n-gram, draft model, EAGLE-3). The methods subclass it and
     inherit a no-op for each hook they do not need; `draft` they all implement."""
 
-    # Cached prefix pages a new sequence must recompute rather than reuse (the EAGLE-3 head's KV in the last cached
-    # page pairs it with a token the new sequence need not share): the scheduler reuses this many pages fewer.
-    prefix_holdback_pages: int = 0
-
     # Executables the proposer has compiled (the engine does not time a step whose period saw a compile).
     num_compiles: int = 0
 
     def warmup(self) -> None:
         """Compile what the proposer runs, before serving."""
+
+    def reusable_prefix(self, seq: Sequence, hit: int) -> int:
+        """Of the `hit` tokens (whole pages) a new sequence found in the prefix cache, how many it may reuse; it
+        recomputes the rest (an EAGLE-3 head's state in the last cached page may pair it with a token the new
+        sequence does not share)."""
+        return hit
 
     def draft(self, seq: Sequence, k: int) -> list[int] | None:
         """Before scheduling: up to `k` drafts for decoding `seq` (host lookups, or drafts made after the last
