@@ -569,42 +569,25 @@ def test_drafts_follow_the_pairing_convention(target, tmp_path):
     assert _check_drafts(eng, model, w, flags, steps=6) >= 6
 
 
-def test_prefix_cache_hit_leaves_the_head_kv_valid(target, tmp_path):
-    """B shares A's first two pages but not the token after them: A's head KV at the last shared slot pairs it with
-    A's next token, so B must recompute that page; B's drafts still equal the reference."""
+@pytest.mark.parametrize("shared, reused", [(8, 4), (9, 8)], ids=["next-token-differs", "next-token-shared"])
+def test_prefix_cache_hit_leaves_the_head_kv_valid(target, tmp_path, shared, reused):
+    """B shares A's first `shared` prompt tokens, so two cached pages (8 tokens) match. A's head KV at the last
+    matched slot pairs it with A's next token: when B's differs (8 shared), B recomputes that page; when B shares it
+    too (9: a shared system prompt that ends past a page boundary), B reuses both pages. Either way B's drafts equal
+    the reference."""
     tpath, model = target
     w = make_head(str(tmp_path), "speculators", seed=6)
     eng = LLM(tpath, **_engine_args(speculative_config=_eagle(str(tmp_path)))).llm_engine
     rng = np.random.default_rng(2)
     a = rng.integers(3, V, 14).tolist()
-    b = a[:8] + [t % (V - 3) + 3 for t in np.add(a[8:], 7)]
+    b = a[:shared] + [t % (V - 3) + 3 for t in np.add(a[shared:], 7)]
     eng.add_request("a", {"prompt_token_ids": a}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
     hits = eng.block_manager.num_prefix_hits
     eng.add_request("b", {"prompt_token_ids": b}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert _check_drafts(eng, model, w, {}, steps=5) >= 4
-    assert eng.block_manager.num_prefix_hits - hits == 4  # two pages matched, the last one recomputed
-
-
-def test_prefix_cache_hit_reuses_every_page_when_the_next_token_is_shared(target, tmp_path):
-    """C shares A's first two pages *and* the token after them (a shared system prompt that ends past a page
-    boundary): A's head paired the last shared slot with that very token, so C reuses both pages (no page
-    recomputed, unlike `test_prefix_cache_hit_leaves_the_head_kv_valid`'s B) and its drafts still equal the
-    reference."""
-    tpath, model = target
-    w = make_head(str(tmp_path), "speculators", seed=6)
-    eng = LLM(tpath, **_engine_args(speculative_config=_eagle(str(tmp_path)))).llm_engine
-    rng = np.random.default_rng(2)
-    a = rng.integers(3, V, 14).tolist()
-    c = a[:9] + [t % (V - 3) + 3 for t in np.add(a[9:], 7)]
-    eng.add_request("a", {"prompt_token_ids": a}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        eng.step()
-    hits = eng.block_manager.num_prefix_hits
-    eng.add_request("c", {"prompt_token_ids": c}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert _check_drafts(eng, model, w, {}, steps=5) >= 4
-    assert eng.block_manager.num_prefix_hits - hits == 8  # both matched pages reused
+    assert eng.block_manager.num_prefix_hits - hits == reused
 
 
 def test_precompiled_engine_never_recompiles(target, rigged_head, prompts_and_plain):
