@@ -34,6 +34,12 @@
 //     into L1 scratch). Same bits. 30 layers of distinct KV pools, two builds alternating in one process, medians:
 //     16 sequences at context 128-256 0.86-1.00x f32 (0.85x with the pools in cache), 0.86-0.97x bf16, 0.89-0.96x
 //     int8; a 4-token verify window 0.85-0.97x; one sequence within the noise.
+//     Tried and not kept (same VM): keys in segments of 8 pages, each its own online softmax merged in order (the
+//     same arithmetic split or not), and a lone decode token split into a task per run of segments, all kv heads:
+//     0.53-0.70x per call for one sequence at context 192 in a harness of 30 chained calls, but in the engine's
+//     traced batch-1 step its attention read 1.50-1.57 ms against 1.41-1.45 before (two alternations), and at
+//     context 1000 with a bf16 / int8 cache 1.05-1.09x slower. Splitting the kv heads of 2 decode tokens into 6
+//     tasks measured 1.15-1.20x slower than 2 tasks of all heads (each task then reads a third of every page's lines).
 //   * The chunked path (other builds, f16 / fp8 KV, other head dims) walks only the keys its block can see
 //     (positions lo..hi: lo = 0, or the oldest key any of its tokens sees through the sliding window; hi = the
 //     block's last position; never the batch's longest context), kChunkKeys positions at a time, kv head by kv
