@@ -103,8 +103,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             hit = self.block_manager.reuse_prefix(seq)
-            if hit and self.prefix_reuse is not None:  # the proposer's state in the last cached pages may not be
-                kept = self.prefix_reuse(seq, hit)      # reusable
+            # the proposer's state in the last cached pages may not be reusable
+            if hit and self.prefix_reuse is not None:
+                kept = self.prefix_reuse(seq, hit)
                 if kept < hit:
                     hit = kept
                     self.block_manager.trim(seq, hit)

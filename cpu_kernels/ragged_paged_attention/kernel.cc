@@ -691,6 +691,25 @@ inline void PrefetchRow(const E* row) {  // the cache lines of one H-element row
   for (int i = 0; i < NC * kWide * static_cast<int>(sizeof(E)); i += 64) __builtin_prefetch(b + i);
 }
 
+// A tile's n key or value rows (row j at rows + j * stride) as f32 rows (*out_stride apart): an f32 cache's in place
+// (the caller prefetches), a bf16 / int8 cache's widened once into buf (kWide rows of H, in L1) for every query row,
+// each row's twin `prefetch` elements ahead prefetched as it is read.
+template <int NC, typename E>
+inline const float* F32Rows(const E* rows, int64_t stride, int n, int64_t prefetch, float* buf, int64_t* out_stride) {
+  if constexpr (std::is_same_v<E, float>) {
+    *out_stride = stride;
+    return rows;
+  } else {
+    constexpr int H = NC * kWide;
+    for (int j = 0; j < n; ++j) {
+      if (prefetch) PrefetchRow<NC>(rows + j * stride + prefetch);
+      for (int c = 0; c < NC; ++c) StoreW(buf + j * H + c * kWide, LoadW(rows + j * stride + c * kWide));
+    }
+    *out_stride = H;
+    return buf;
+  }
+}
+
 // RT query rows (q: f32[RT, H], times sm_scale) of one kv head against n <= kWide consecutive keys of one page (row j
 // of k / v at k + j * stride), of which j0 .. n - 1 are visible: scores, one online-softmax update of m / l / acc
 // (f32[RT], [RT], [RT, H]), and the weighted sum of the values (weight exactly 0 outside the visible ones). kscale /
@@ -699,22 +718,14 @@ template <int RT, int NC, typename E>
 void DecodeTile(const float* q, const E* k, const E* v, int64_t stride, int j0, int n, const float* kscale,
                 const float* vscale, float soft_cap, int64_t prefetch, float* m, float* l, float* acc) {
   constexpr int H = NC * kWide;
-  // bf16 / int8 rows are widened once into f32 scratch (in L1) for all RT query rows; f32 rows are read in place.
   constexpr bool kF32 = std::is_same_v<E, float>;
   alignas(64) float kbuf[kF32 ? 1 : kWide * H];
-  const float* kf;
   int64_t kstride;
+  const float* kf = F32Rows<NC>(k, stride, n, prefetch, kbuf, &kstride);
   if constexpr (kF32) {
-    kf = k, kstride = stride;
     // The tile's value rows are read in column blocks below, each block's lines in turn: ask for all of them now,
     // while the scores compute, so a cold page's misses overlap instead of coming in one wave per block.
     for (int j = 0; j < n; ++j) PrefetchRow<NC>(v + j * stride);
-  } else {
-    for (int j = 0; j < n; ++j) {
-      if (prefetch) PrefetchRow<NC>(k + j * stride + prefetch);
-      for (int c = 0; c < NC; ++c) StoreW(kbuf + j * H + c * kWide, LoadW(k + j * stride + c * kWide));
-    }
-    kf = kbuf, kstride = H;
   }
   alignas(64) VW part[RT][kWide];  // per key: lanes of q . k, summed across lanes below
   // Row by row, the row's query in registers (NC of them), four keys' partial sums at a time: the key rows are read
@@ -767,17 +778,8 @@ void DecodeTile(const float* q, const E* k, const E* v, int64_t stride, int j0, 
   // (all NC at once would spill them on AVX2 and store every accumulator back per key); per element the same FMA
   // chain over j.
   alignas(64) float vbuf[kF32 ? 1 : kWide * H];
-  const float* vf;
   int64_t vstride;
-  if constexpr (kF32) {
-    vf = v, vstride = stride;
-  } else {
-    for (int j = 0; j < n; ++j) {
-      if (prefetch) PrefetchRow<NC>(v + j * stride + prefetch);
-      for (int c = 0; c < NC; ++c) StoreW(vbuf + j * H + c * kWide, LoadW(v + j * stride + c * kWide));
-    }
-    vf = vbuf, vstride = H;
-  }
+  const float* vf = F32Rows<NC>(v, stride, n, prefetch, vbuf, &vstride);
   constexpr int kRegs = kWide == 16 ? 32 : 16;
   constexpr int CB = NC <= (kRegs - 4) / RT ? NC : (kRegs - 4) / RT >= 4 ? 4 : (kRegs - 4) / RT >= 2 ? 2 : 1;
   static_assert(NC % CB == 0);

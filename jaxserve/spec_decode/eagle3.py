@@ -220,11 +220,10 @@ class Eagle3Proposer(Proposer):
     def reusable_prefix(self, seq, hit: int) -> int:
         """All `hit` cached tokens if the head paired the last cached page's last slot with the token `seq` has
         next; else one page fewer (module doc)."""
-        ps = self.engine_cfg.page_size
-        last = hit // ps - 1
-        if last < len(seq.page_hashes) and self._pairs.get(seq.page_hashes[last]) == seq.token_ids[hit]:
+        ps = self.engine_cfg.page_size  # `hit` is whole pages, their hashes in seq.page_hashes (reuse_prefix)
+        if self._pairs.get(seq.page_hashes[hit // ps - 1]) == seq.token_ids[hit]:
             return hit
-        return max(0, hit - ps)
+        return hit - ps
 
     # `verified`: nothing to roll back, the next catch-up overwrites the slots of rejected drafts.
 
