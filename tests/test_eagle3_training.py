@@ -147,6 +147,12 @@ def test_vocab_mapping():
     assert token_counts(np.array([1, 1, 2, 3]), np.array([1, 1, 0, 1]), 5).tolist() == [0, 2, 0, 1, 0]
     with pytest.raises(ValueError, match="draft_vocab_size"):
         build_vocab(counts, 13)
+    # growing a vocabulary: the ids to keep first (seen or not), then the most frequent others, then unused ids
+    ids, d2t, t2d = build_vocab(counts, 4, keep=np.array([0, 9]))
+    assert ids.tolist() == [0, 3, 7, 9] and ((np.arange(4) + d2t) == ids).all()
+    assert build_vocab(counts, 6, keep=np.array([11]))[0].tolist() == [0, 3, 5, 7, 9, 11]
+    with pytest.raises(ValueError, match="cannot hold the 2 ids"):
+        build_vocab(counts, 1, keep=np.array([0, 9]))
 
 
 # ---- features, training, export --------------------------------------------------------------------------------------
@@ -292,7 +298,7 @@ def test_training_can_start_from_an_exported_head(dataset, trained):
     configured size), so it continues from the head's held-out loss instead of a fresh head's."""
     samples, store = dataset
     tr, head, before, log = trained
-    warm = Trainer(store, dataclasses.replace(tr.tc, draft_vocab_size=32, max_steps=4), head=head)
+    warm = Trainer(store, dataclasses.replace(tr.tc, draft_vocab_size=None, max_steps=4), head=head)
     assert warm.tc.draft_vocab_size == 64 and (warm.draft_ids == tr.draft_ids).all()
     for f in dataclasses.fields(Eagle3Weights):
         if f.name != "d2t":
@@ -302,6 +308,32 @@ def test_training_can_start_from_an_exported_head(dataset, trained):
     fresh_loss = _trainer(store).evaluate(ids=tr.train_ids)["loss"][0]
     warm_log = warm.train()
     assert warm_log[0]["loss"] < 0.8 * fresh_loss  # its first step starts where the head left off
+
+
+def test_training_can_grow_an_exported_heads_vocabulary(target, dataset, trained):
+    """`train --init-head HEAD --draft-vocab-size N` with N above the head's size: the head's ids keep their trained
+    rows, the added ids are the most frequent training outputs the head lacked, each starting from the target's
+    output embedding row as a fresh head's does; the rest of the head is unchanged. A smaller N is refused."""
+    samples, store = dataset
+    tr, head, _, _ = trained
+    grown = Trainer(store, dataclasses.replace(tr.tc, draft_vocab_size=96, max_steps=2), head=head)
+    assert grown.tc.draft_vocab_size == grown.cfg.draft_vocab_size == 96
+    assert np.isin(tr.draft_ids, grown.draft_ids).all()
+    rows = np.concatenate([np.arange(store.offsets[s], store.offsets[s] + store.lengths[s]) for s in grown.train_ids])
+    counts = token_counts(store.tokens[rows], store.is_output[rows], V)
+    added = np.setdiff1d(grown.draft_ids, tr.draft_ids)
+    others = np.setdiff1d(np.arange(V), tr.draft_ids)
+    assert counts[added].min() >= counts[np.setdiff1d(others, added)].max()  # the most frequent ones were added
+    assert coverage(counts, grown.t2d) > coverage(counts, tr.t2d)
+    lm_head, old = np.asarray(grown.params.lm_head), np.asarray(tr.params.lm_head)
+    at = np.searchsorted(grown.draft_ids, tr.draft_ids)
+    np.testing.assert_array_equal(lm_head[:, at], old)
+    out_embed = np.asarray(load_checkpoint(target).tensors["lm_head.weight"], np.float32)
+    np.testing.assert_allclose(lm_head[:, np.searchsorted(grown.draft_ids, added)], out_embed[added].T, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(grown.params.fc), np.asarray(tr.params.fc))
+    assert np.isfinite(grown.train()[-1]["loss"])
+    with pytest.raises(ValueError, match="smaller than head"):
+        Trainer(store, dataclasses.replace(tr.tc, draft_vocab_size=32), head=head)
 
 
 SERVE_KW = dict(max_num_batched_tokens=64, token_buckets=(8, 64), page_size=4, max_model_len=128, precompile=False)

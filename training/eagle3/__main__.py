@@ -88,7 +88,7 @@ def _print_acceptance(result: dict, num_samples: int) -> None:
 
 def train(argv) -> None:
     from training.eagle3.features import FeatureStore
-    from training.eagle3.train import TrainConfig, Trainer
+    from training.eagle3.train import DEFAULT_DRAFT_VOCAB_SIZE, TrainConfig, Trainer
 
     d = TrainConfig()
     ap = argparse.ArgumentParser(prog="python -m training.eagle3 train")
@@ -101,7 +101,9 @@ def train(argv) -> None:
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
     ap.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
-    ap.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size)
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help=f"target ids the head can draft (default {DEFAULT_DRAFT_VOCAB_SIZE}; with --init-head, the "
+                         "head's own: a larger size grows it by the most frequent other ids)")
     ap.add_argument("--len-buckets", type=_ints, default=d.len_buckets)
     ap.add_argument("--win-buckets", type=_ints, default=d.win_buckets)
     ap.add_argument("--eval-frac", type=float, default=d.eval_frac)
@@ -113,7 +115,7 @@ def train(argv) -> None:
                     help="continue the run in --out from its latest checkpoint (same settings and features)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--init-head", default=None,
-                    help="start from this exported head (e.g. the shipped one): its draft vocabulary (which replaces "
+                    help="start from this exported head (e.g. the shipped one): its draft vocabulary (or grown to "
                          "--draft-vocab-size) and weights; the optimizer starts fresh. A --resume passes it again")
     _add_parallel_args(ap)
     a = ap.parse_args(argv)

@@ -50,7 +50,9 @@ from training.eagle3.export import export_speculators
 from training.eagle3.features import FeatureStore
 from training.eagle3.progress import bar, duration, say
 from training.eagle3.ttt import VocabArrays, acceptance, ttt_loss
-from training.eagle3.vocab import build_vocab, coverage, token_counts, vocab_mapping
+from training.eagle3.vocab import build_vocab, coverage, token_counts
+
+DEFAULT_DRAFT_VOCAB_SIZE = 8192
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +64,7 @@ class TrainConfig:
     batch_tokens: int = 1024
     ttt_steps: int = 4
     loss_decay: float = 0.8
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int | None = None  # None: DEFAULT_DRAFT_VOCAB_SIZE for a fresh head, a starting head's own
     weight_decay: float = 0.01
     clip_norm: float = 0.5
     len_buckets: tuple[int, ...] = (256, 384, 640, 1280)
@@ -181,17 +183,28 @@ class Trainer:
                                for s in self.train_ids])
         counts = token_counts(store.tokens[rows], store.is_output[rows], tcfg.vocab_size)
         if head is None:
-            self.draft_ids, self.d2t, self.t2d = build_vocab(counts, tc.draft_vocab_size)
-            self.cfg = head_config(tcfg, store.meta["aux_layer_ids"], tc.draft_vocab_size)
+            size = tc.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE
+            self.draft_ids, self.d2t, self.t2d = build_vocab(counts, size)
+            self.cfg = head_config(tcfg, store.meta["aux_layer_ids"], size)
         else:
             self.cfg, w = load_eagle3(head, tcfg, np.float32)
             if list(self.cfg.aux_layer_ids) != list(store.meta["aux_layer_ids"]):
                 raise ValueError(f"head {head} reads layers {self.cfg.aux_layer_ids}, the features hold "
                                  f"{store.meta['aux_layer_ids']}")
-            self.draft_ids = np.arange(self.cfg.draft_vocab_size) + w.d2t.astype(np.int64)
-            self.d2t, self.t2d = vocab_mapping(self.draft_ids, tcfg.vocab_size)
-            # the head's vocabulary is the run's: recorded as such in checkpoints and in training.json
-            self.tc = tc = dataclasses.replace(tc, draft_vocab_size=self.cfg.draft_vocab_size)
+            head_ids = np.arange(self.cfg.draft_vocab_size) + w.d2t.astype(np.int64)
+            size = tc.draft_vocab_size or head_ids.size
+            if size < head_ids.size:
+                raise ValueError(f"draft_vocab_size {size} is smaller than head {head}'s {head_ids.size} ids; a "
+                                 "head's vocabulary can be kept or grown, not shrunk")
+            # grown: the head's ids keep their rows; each added id's row starts as a fresh head's does (the
+            # target's output embedding)
+            self.draft_ids, self.d2t, self.t2d = build_vocab(counts, size, keep=head_ids)
+            lm_head = out_embed[self.draft_ids].T.copy()
+            lm_head[:, np.searchsorted(self.draft_ids, head_ids)] = np.asarray(w.lm_head)
+            w = dataclasses.replace(w, lm_head=lm_head)
+            self.cfg = dataclasses.replace(self.cfg, draft_vocab_size=size)
+        # the vocabulary's size is the run's: recorded as such in checkpoints and in training.json
+        self.tc = tc = dataclasses.replace(tc, draft_vocab_size=size)
         print(f"[vocab] {len(self.draft_ids)} draft ids cover {coverage(counts, self.t2d):.4f} of "
               f"{int(counts.sum())} training output tokens", flush=True)
         self.embed = self._replicate(embed)

@@ -47,8 +47,16 @@ def coverage(counts: np.ndarray, t2d: np.ndarray) -> float:
     return float(counts[t2d].sum() / total) if total else 0.0
 
 
-def build_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> (ids i64[Vd], d2t i64[Vd], t2d bool[V])."""
+def build_vocab(counts: np.ndarray, draft_vocab_size: int,
+                keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (ids i64[Vd], d2t i64[Vd], t2d bool[V]). `keep`: target ids the vocabulary must hold (a head's vocabulary
+    being grown), the rest chosen as usual among the other ids."""
+    if keep is not None:
+        keep = np.asarray(keep, np.int64)
+        if keep.size > draft_vocab_size:
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} cannot hold the {keep.size} ids to keep")
+        counts = counts.copy()
+        counts[keep] = counts.max() + 1  # ranked first: all of them are chosen
     ids = draft_vocab_ids(counts, draft_vocab_size)
     d2t, t2d = vocab_mapping(ids, counts.shape[0])
     return ids, d2t, t2d
