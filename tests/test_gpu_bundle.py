@@ -54,7 +54,7 @@ def split_model(tmp_path):
 
 
 def test_scripts_parse():
-    for script in ("gpu_bundle.sh", "gpu_assemble.sh", "bench_gpu.sh"):
+    for script in ("gpu_bundle.sh", "gpu_assemble.sh", "bench_gpu.sh", "train_eagle3_gpu.sh"):
         r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True)
         assert r.returncode == 0, f"{script}: {r.stderr}"
 
