@@ -130,6 +130,55 @@ def test_wrong_chain_mask_is_caught(target, monkeypatch):
     assert np.abs(logits[1, 0, 3] - ref[1]).max() > 1e-3
 
 
+@pytest.mark.parametrize("kind", ttt.LOSSES)
+def test_ttt_loss_against_numpy(target, kind):
+    """Both losses, step-decayed means over the valid positions whose target choice is in the draft vocabulary: "kl"
+    = KL(target || head) over the draft vocabulary, "ce" = -log head(target's choice)."""
+    cfg, w, embed, feats, tokens, batch = _ttt_setup(target, seed=3)
+    rng = np.random.default_rng(7)
+    S, (B, T), Vd, decay = 3, tokens.shape, cfg.draft_vocab_size, 0.8
+    draft_ids = np.sort(rng.choice(V, Vd, replace=False))
+    t2d = np.zeros(V, bool)
+    t2d[draft_ids] = True
+    # target choices: two thirds inside the draft vocabulary, the rest anywhere
+    argmax_ = np.where(rng.random((B, T)) < 0.67, rng.choice(draft_ids, (B, T)), rng.integers(0, V, (B, T)))
+    hidden = rng.standard_normal((B, T, D)).astype(np.float32)
+    head = rng.standard_normal((D, Vd)).astype(np.float32)
+    # windows as batches.py lays them out: consecutive positions from a start
+    batch = dataclasses.replace(batch, target_hidden=jnp.asarray(hidden), target_argmax=jnp.asarray(argmax_, jnp.int32),
+                                is_output=jnp.asarray(rng.random((B, T)) < 0.8),
+                                window_pos=jnp.asarray(np.stack([np.arange(T), 2 + np.arange(T)]), jnp.int32))
+    vocab = ttt.VocabArrays(draft_ids=jnp.asarray(draft_ids, jnp.int32), t2d=jnp.asarray(t2d),
+                            target_head=jnp.asarray(head))
+    loss, stats = ttt.ttt_loss(cfg, w, embed, vocab, batch, num_steps=S, decay=decay, kind=kind)
+    logits = np.asarray(ttt_logits(cfg, w, embed, batch, num_steps=S), np.float64)
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    wp, lengths, is_output = (np.asarray(a) for a in (batch.window_pos, batch.lengths, batch.is_output))
+    want, counted = 0.0, 0
+    for k in range(S):
+        terms = []
+        for b in range(B):
+            for wi, p in enumerate(wp[b]):
+                tgt = argmax_[b, min(p + 1 + k, T - 1)]
+                if not (p + 2 + k < lengths[b] and is_output[b, min(p + 2 + k, T - 1)] and t2d[tgt]):
+                    continue
+                logq = log_softmax(logits[k, b, wi])
+                if kind == "kl":
+                    logp = log_softmax(hidden[b, min(p + 1 + k, T - 1)].astype(np.float64) @ head)
+                    terms.append(np.sum(np.exp(logp) * (logp - logq)))
+                else:
+                    terms.append(-logq[np.searchsorted(draft_ids, tgt)])
+        counted += len(terms)
+        want += decay**k * np.mean(terms)
+        assert float(stats["loss_n"][k]) == len(terms)
+    assert counted >= 10
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+
+
 # ---- draft vocabulary ------------------------------------------------------------------------------------------------
 
 
@@ -509,6 +558,23 @@ def test_resume_refuses_another_run(dataset, stopped_at_50, tmp_path):
     with pytest.raises(ValueError, match="resume: no checkpoint in"):
         _trainer(store, **RESUME).train(str(tmp_path / "empty"), resume=True)
     assert sorted(os.listdir(os.path.join(src, "checkpoints")), key=int) == ["40", "50"]
+
+
+def test_resume_of_a_checkpoint_older_than_a_setting():
+    """A checkpoint written before a TrainConfig field existed ran with that field's default: a resume with the
+    default goes on, one with another value is refused naming the field."""
+    from training.eagle3.checkpoint import check_same_run, run_identity
+
+    ids = np.arange(8)
+    current = lambda **kw: run_identity(dataclasses.asdict(TrainConfig(**kw)), {"n": 1}, ids)  # noqa: E731
+    saved = current()
+    del saved["config"]["loss"]
+    defaults = dataclasses.asdict(TrainConfig())
+    check_same_run(saved, current(), "old", defaults=defaults)
+    with pytest.raises(ValueError, match=r"loss: 'kl' there, 'ce' here"):
+        check_same_run(saved, current(loss="ce"), "old", defaults=defaults)
+    with pytest.raises(ValueError, match=r"loss: None there, 'kl' here"):
+        check_same_run(saved, current(), "old")
 
 
 def test_features_resume_where_a_run_stopped(target, dataset, tmp_path, monkeypatch):

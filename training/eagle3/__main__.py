@@ -72,8 +72,8 @@ def _train_config(a):
     from training.eagle3.train import TrainConfig
 
     return TrainConfig(lr=a.lr, epochs=a.epochs, max_steps=a.max_steps, batch_tokens=a.batch_tokens,
-                       ttt_steps=a.ttt_steps, draft_vocab_size=a.draft_vocab_size, len_buckets=a.len_buckets,
-                       win_buckets=a.win_buckets,
+                       ttt_steps=a.ttt_steps, loss=a.loss, draft_vocab_size=a.draft_vocab_size,
+                       len_buckets=a.len_buckets, win_buckets=a.win_buckets,
                        eval_frac=a.eval_frac, log_every=a.log_every, save_every=a.save_every,
                        keep_checkpoints=a.keep_checkpoints, seed=a.seed)
 
@@ -89,6 +89,7 @@ def _print_acceptance(result: dict, num_samples: int) -> None:
 def train(argv) -> None:
     from training.eagle3.features import FeatureStore
     from training.eagle3.train import DEFAULT_DRAFT_VOCAB_SIZE, TrainConfig, Trainer
+    from training.eagle3.ttt import LOSSES
 
     d = TrainConfig()
     ap = argparse.ArgumentParser(prog="python -m training.eagle3 train")
@@ -101,6 +102,9 @@ def train(argv) -> None:
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
     ap.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
+    ap.add_argument("--loss", choices=LOSSES, default=d.loss,
+                    help="kl: forward KL to the target's distribution over the draft vocabulary; ce: cross-entropy "
+                         "of the target's greedy choice")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help=f"target ids the head can draft (default {DEFAULT_DRAFT_VOCAB_SIZE}; with --init-head, the "
                          "head's own: a larger size grows it by the most frequent other ids)")

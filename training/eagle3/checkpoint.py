@@ -39,9 +39,12 @@ def run_identity(config: dict, features_meta: dict, draft_ids: np.ndarray) -> di
                 draft_vocab=hashlib.sha256(np.asarray(draft_ids, np.int64).tobytes()).hexdigest())
 
 
-def check_same_run(saved: dict, current: dict, where: str) -> None:
-    """Raise ValueError naming every difference between a checkpoint's identity and this run's."""
+def check_same_run(saved: dict, current: dict, where: str, defaults: dict | None = None) -> None:
+    """Raise ValueError naming every difference between a checkpoint's identity and this run's. `defaults`: the
+    values of config fields a checkpoint may predate (it ran with the default then)."""
     saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))  # tuples -> lists, as saved
+    saved["config"] = {k: v for k, v in json.loads(json.dumps(defaults or {})).items()
+                       if k in current["config"]} | saved["config"]
     diffs = [f"{k}: {saved['config'].get(k)!r} there, {current['config'].get(k)!r} here"
              for k in sorted(set(saved["config"]) | set(current["config"]))
              if saved["config"].get(k) != current["config"].get(k)]

@@ -64,6 +64,7 @@ class TrainConfig:
     batch_tokens: int = 1024
     ttt_steps: int = 4
     loss_decay: float = 0.8
+    loss: str = "kl"  # ttt.LOSSES: "kl" (the target's distribution) or "ce" (its greedy choice)
     draft_vocab_size: int | None = None  # None: DEFAULT_DRAFT_VOCAB_SIZE for a fresh head, a starting head's own
     weight_decay: float = 0.01
     clip_norm: float = 0.5
@@ -214,7 +215,8 @@ class Trainer:
             self.params = self._replicate(init_head(self.cfg, out_embed, self.draft_ids, tc.seed))
         else:
             self.params = self._replicate(dataclasses.replace(w, d2t=None))
-        loss_fn = functools.partial(ttt_loss, self.cfg, num_steps=tc.ttt_steps, decay=tc.loss_decay)
+        loss_fn = functools.partial(ttt_loss, self.cfg, num_steps=tc.ttt_steps, decay=tc.loss_decay,
+                                    kind=tc.loss)
         self._eval_step = jax.jit(functools.partial(_eval_step, loss_fn), **self._out_replicated())
         self._train_step_fn = functools.partial(_train_step, loss_fn)
 
@@ -313,7 +315,8 @@ class Trainer:
         meta = None
         if resume:
             meta = ckpts.meta(latest)
-            check_same_run(meta["identity"], self.identity(), f"{ckpts.directory} (step {latest})")
+            check_same_run(meta["identity"], self.identity(), f"{ckpts.directory} (step {latest})",
+                           defaults=dataclasses.asdict(TrainConfig()))
         tx = make_optimizer(tc, total)
         step_fn, opt_state = self.train_step(tx), self.init_opt_state(tx)
         stream = BatchStream(functools.partial(self._plans, self.train_ids), tc.seed)

@@ -112,11 +112,20 @@ def ttt_logits(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, batch: TTT
     return jnp.stack(logits)
 
 
+LOSSES = ("kl", "ce")
+
+
 def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: VocabArrays, batch: TTTBatch, *,
-             num_steps: int, decay: float = 0.8):
+             num_steps: int, decay: float = 0.8, kind: str = "kl"):
     """-> (loss f32[], stats): stats are per-step count vectors f32[num_steps] to sum over batches:
-    `loss_sum`/`loss_n` (masked KL), `valid`/`correct` (top-1 == target argmax), `chain_prev`/`chain_ok`
-    (valid positions whose chain was right through step k-1 / through step k)."""
+    `loss_sum`/`loss_n` (the masked loss), `valid`/`correct` (top-1 == target argmax), `chain_prev`/`chain_ok`
+    (valid positions whose chain was right through step k-1 / through step k).
+
+    `kind`: "kl", forward KL from the target's distribution over the draft vocabulary to the head's (every
+    probability counts); "ce", cross-entropy of the target's greedy choice (only the top-1 counts, what greedy
+    verification accepts). Both skip positions whose target choice lies outside the draft vocabulary."""
+    if kind not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES} (got {kind!r})")
     logits = ttt_logits(cfg, w, embed, batch, num_steps=num_steps)  # [S, B, W, Vd]
     wp = batch.window_pos
     W = wp.shape[1]
@@ -131,8 +140,13 @@ def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: Vocab
         tgt = _take(batch.target_argmax, wp + 1 + k)  # [B, W]  the target's choice for t_{p+2+k}
         valid = (wp + 2 + k < batch.lengths[:, None]) & _take(batch.is_output, wp + 2 + k)
         mask = valid & vocab.t2d[tgt]
-        logp = target_logp[:, k : k + W]  # [B, W, Vd]
-        ce = jnp.sum(jnp.exp(logp) * (logp - jax.nn.log_softmax(logits[k], axis=-1)), axis=-1)  # [B, W]  KL(p||q)
+        logq = jax.nn.log_softmax(logits[k], axis=-1)  # [B, W, Vd]
+        if kind == "kl":
+            logp = target_logp[:, k : k + W]
+            ce = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)  # [B, W]  KL(p||q)
+        else:  # the draft index of the target's choice (any index where it is outside: those are masked)
+            d = jnp.minimum(jnp.searchsorted(vocab.draft_ids, tgt), vocab.draft_ids.shape[0] - 1)
+            ce = -jnp.take_along_axis(logq, d[..., None], axis=-1)[..., 0]
         n = jnp.sum(mask)
         loss_sum = jnp.sum(jnp.where(mask, ce, 0.0))
         loss = loss + decay**k * loss_sum / jnp.maximum(n, 1)
