@@ -6,6 +6,7 @@ resume survives a torn line. Tiny random targets, nothing downloaded."""
 
 import dataclasses
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -28,7 +29,8 @@ from training.eagle3 import ttt
 from training.eagle3.checkpoint import StopRequests
 from training.eagle3.features import FeatureStore, TargetFeatures, extract, pack
 from training.eagle3.regenerate import completed
-from training.eagle3.train import TrainConfig, Trainer, head_config
+from training.eagle3.ship import write_card
+from training.eagle3.train import TRAINING_RECORD, TrainConfig, Trainer, head_config, training_record
 from training.eagle3.ttt import TTTBatch, ttt_logits
 from training.eagle3.vocab import build_vocab, coverage, draft_vocab_ids, token_counts, vocab_mapping
 
@@ -342,7 +344,7 @@ def test_training_learns_and_exports_losslessly(target, dataset, trained, plain_
     assert sum(spec.llm_engine.spec.metrics.num_accepted) > 0  # the trained head's drafts do get accepted
 
 
-def test_training_can_start_from_an_exported_head(dataset, trained):
+def test_training_can_start_from_an_exported_head(dataset, trained, tmp_path):
     """`train --init-head HEAD`: the run starts from the head's weights and draft vocabulary (which replaces the
     configured size), so it continues from the head's held-out loss instead of a fresh head's."""
     samples, store = dataset
@@ -355,8 +357,22 @@ def test_training_can_start_from_an_exported_head(dataset, trained):
                                           np.asarray(getattr(tr.params, f.name)), err_msg=f.name)
     assert warm.evaluate() == tr.evaluate()
     fresh_loss = _trainer(store).evaluate(ids=tr.train_ids)["loss"][0]
-    warm_log = warm.train()
+    warm_log = warm.train(out_dir=str(tmp_path / "warm"))
     assert warm_log[0]["loss"] < 0.8 * fresh_loss  # its first step starts where the head left off
+    # the run's record carries the head's (its lineage), and a head shipped from it says so in its card
+    with open(os.path.join(head, TRAINING_RECORD)) as f:
+        first = json.load(f)
+    with open(tmp_path / "warm" / TRAINING_RECORD) as f:
+        second = json.load(f)
+    assert "started_from" not in first and second["started_from"] == first and second["steps"] == 4
+    assert training_record(str(tmp_path)) == {}
+    card = dict(target="t", dtype="bfloat16", draft_vocab_size=64, aux_layer_ids=list(AUX), training=second,
+                served=dict(num_prompts=1, max_tokens=8, num_speculative_tokens=3, quantization="none",
+                            acceptance_rate_per_position=[0.5, 0.2, 0.1], mean_acceptance_length=1.8,
+                            num_draft_tokens=30, num_accepted_tokens=8))
+    write_card(str(tmp_path), card)
+    readme = (tmp_path / "README.md").read_text()
+    assert f"- on top of a head trained {first['steps']} steps" in readme and "in all" in readme
 
 
 def test_training_can_grow_an_exported_heads_vocabulary(target, dataset, trained):

@@ -101,9 +101,21 @@ def write_card(out: str, card: dict) -> None:
                   f"target's own greedy replies (`python -m training.eagle3 regenerate`); {t['train_samples']} train "
                   f"({t['train_output_tokens']} reply tokens), {t['eval_samples']} held out",
                   f"- {t['steps']} steps of {c['batch_tokens']} tokens ({c['epochs']} epochs), {c['ttt_steps']} TTT "
-                  f"steps, lr {c['lr']}, draft vocabulary {c['draft_vocab_size']}; {t['train_seconds'] / 60:.0f} "
-                  "min of training",
-                  "- pipeline and commands: README, *Training an EAGLE-3 head*; ablations: docs/eagle3_training.md"]
+                  f"steps, lr {c['lr']}, draft vocabulary {c['draft_vocab_size']}, loss {c.get('loss', 'kl')}; "
+                  f"{t['train_seconds'] / 60:.0f} min of training"]
+        seconds, r = t["train_seconds"], t.get("started_from")
+        while r is not None:  # the runs it started from (`train --init-head`), newest first
+            if not r:
+                lines.append("- on top of a head whose training is not recorded")
+                break
+            c, seconds = r["config"], seconds + r["train_seconds"]
+            lines.append(f"- on top of a head trained {r['steps']} steps ({c['epochs']} epochs) on "
+                         f"{r['features']['num_samples']} samples, draft vocabulary {c['draft_vocab_size']}, "
+                         f"{r['train_seconds'] / 60:.0f} min")
+            r = r.get("started_from")
+        if "started_from" in t:
+            lines.append(f"- {seconds / 60:.0f} min of recorded training in all")
+        lines.append("- pipeline and commands: README, *Training an EAGLE-3 head*; ablations: docs/eagle3_training.md")
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

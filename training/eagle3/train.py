@@ -164,6 +164,21 @@ def _train_step(loss_fn, params, opt_state, embed, vocab, batch, *, tx):
 TRAINING_RECORD = "training.json"  # written beside an exported head
 
 
+def training_record(head: str) -> dict:
+    """The record of the run that trained `head`: `train`'s training.json beside it, or the training a shipped head's
+    card records; {} when neither says (a head from elsewhere). Each record holds its own `started_from`, so a head
+    trained in several runs (`--init-head`) carries its whole lineage."""
+    for name, key in ((TRAINING_RECORD, None), ("card.json", "training")):
+        path = os.path.join(head, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                record = json.load(f)
+            record = record if key is None else record.get(key)
+            if record:
+                return record
+    return {}
+
+
 class Trainer:
     def __init__(self, store: FeatureStore, tc: TrainConfig, model: str | None = None, head: str | None = None,
                  mesh=None):
@@ -183,11 +198,13 @@ class Trainer:
         rows = np.concatenate([np.arange(store.offsets[s], store.offsets[s] + store.lengths[s])
                                for s in self.train_ids])
         counts = token_counts(store.tokens[rows], store.is_output[rows], tcfg.vocab_size)
+        self.started_from = None  # the starting head's training record, for a run's lineage
         if head is None:
             size = tc.draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE
             self.draft_ids, self.d2t, self.t2d = build_vocab(counts, size)
             self.cfg = head_config(tcfg, store.meta["aux_layer_ids"], size)
         else:
+            self.started_from = training_record(head)
             self.cfg, w = load_eagle3(head, tcfg, np.float32)
             if list(self.cfg.aux_layer_ids) != list(store.meta["aux_layer_ids"]):
                 raise ValueError(f"head {head} reads layers {self.cfg.aux_layer_ids}, the features hold "
@@ -389,5 +406,7 @@ class Trainer:
                       train_samples=len(self.train_ids), train_output_tokens=out_rows,
                       eval_samples=len(self.eval_ids), steps=steps[-1], train_seconds=round(seconds, 1),
                       last_log=log[-1] if log else None, **extra)
+        if self.started_from is not None:
+            record["started_from"] = self.started_from
         with open(os.path.join(path, TRAINING_RECORD), "w") as f:
             json.dump(record, f, indent=1)
