@@ -129,11 +129,12 @@ def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: Vocab
     logits = ttt_logits(cfg, w, embed, batch, num_steps=num_steps)  # [S, B, W, Vd]
     wp = batch.window_pos
     W = wp.shape[1]
-    # the target's log-probs over the draft vocabulary at positions wp + 1 .. wp + W + num_steps - 1, computed once:
-    # chain p at step k reads position p + 1 + k, i.e. column w + k
-    ext = wp[:, :1] + 1 + jnp.arange(W + num_steps - 1, dtype=jnp.int32)[None]  # [B, W + S - 1]
-    th = _take(batch.target_hidden, ext).astype(jnp.float32)
-    target_logp = jax.nn.log_softmax(jnp.einsum("bwd,dv->bwv", th, vocab.target_head.astype(jnp.float32)), axis=-1)
+    if kind == "kl":  # the target's log-probs over the draft vocabulary at positions wp + 1 .. wp + W + num_steps - 1,
+        # computed once: chain p at step k reads position p + 1 + k, i.e. column w + k
+        ext = wp[:, :1] + 1 + jnp.arange(W + num_steps - 1, dtype=jnp.int32)[None]  # [B, W + S - 1]
+        th = _take(batch.target_hidden, ext).astype(jnp.float32)
+        target_logp = jax.nn.log_softmax(jnp.einsum("bwd,dv->bwv", th, vocab.target_head.astype(jnp.float32)),
+                                         axis=-1)
     loss, prev = jnp.zeros((), jnp.float32), jnp.ones(wp.shape, bool)
     stats = {n: [] for n in ("loss_sum", "loss_n", "valid", "correct", "chain_prev", "chain_ok")}
     for k in range(num_steps):
