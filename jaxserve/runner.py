@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import ops, quant, sharding
-from jaxserve.batch import Bucket, StepBatch, build_step_inputs, choose_bucket
+from jaxserve.batch import FED_DRAFT, Bucket, StepBatch, build_step_inputs, choose_bucket
 from jaxserve.config import EngineConfig, ModelConfig, kv_storage_dtype
 from jaxserve.kv_cache import KV_AXES, KV_SCALE_AXES, KVCache, init_kv_cache, kv_cache_bytes
 from jaxserve.model.llama import Weights, compute_logits, forward, pack_linear_weights, unstack_layers, weight_axes
@@ -48,6 +48,7 @@ def step_fn(
     packed: jax.Array,  # i32[*]  a StepBatch, see `layout`
     x_in: jax.Array | None = None,  # f[T, D]  the residual stream from the previous pipeline stage
     prev_tokens: jax.Array | None = None,  # i32[max rows]  the previous step's sampled tokens (async scheduling)
+    drafts: jax.Array | None = None,  # i32[max_num_seqs * K]  an EAGLE-3 head's drafts left on the device
     *,
     layout: Layout,
     rows: RowLayout,
@@ -62,25 +63,35 @@ def step_fn(
     A pipeline stage before the last (weights without `final_norm`) returns ((x f[T, D],), kv) instead: its
     residual stream, for the next stage's `x_in`.
     Async scheduling (the batch has a `token_feed`): positions with feed row r >= 0 take `prev_tokens[r]` as their
-    token, and the outputs end with this step's sampled tokens, i32[max rows], the next step's `prev_tokens`."""
+    token, and the outputs end with this step's sampled tokens, i32[max rows], the next step's `prev_tokens`.
+    Drafts on the device (the batch has a `draft_feed`): positions with feed index i >= 0 take `drafts[i]` as their
+    token, and each verify row marked `FED_DRAFT` checks the token its next position took."""
     batch: StepBatch = layout.unpack(packed)
     inputs = batch.inputs
+    draft_ids = batch.draft_ids
     if batch.token_feed is not None:
         fed = prev_tokens[jnp.maximum(batch.token_feed, 0)]
         inputs = dataclasses.replace(inputs, token_ids=jnp.where(batch.token_feed >= 0, fed, inputs.token_ids))
+    if batch.draft_feed is not None:
+        fed = drafts[jnp.maximum(batch.draft_feed, 0)]
+        tokens = jnp.where(batch.draft_feed >= 0, fed, inputs.token_ids)
+        inputs = dataclasses.replace(inputs, token_ids=tokens)
+        # verify row r samples at token logits_indices[r]; the draft it checks is the token after it
+        nxt = tokens[jnp.minimum(inputs.logits_indices + 1, tokens.shape[0] - 1)]
+        draft_ids = jnp.where(draft_ids == FED_DRAFT, nxt, draft_ids)
     h, kv, hidden = forward(model_cfg, weights, kv, inputs, x_in, hidden_layer_ids=hidden_layer_ids,
                             backends=backends)
     if weights.final_norm is None:
         out = (h,)
     elif batch.prompt_targets is None:
         logits = compute_logits(weights, h[inputs.logits_indices])
-        sampled = sample(logits, batch.sampling, max_logprobs=max_logprobs, draft_ids=batch.draft_ids,
+        sampled = sample(logits, batch.sampling, max_logprobs=max_logprobs, draft_ids=draft_ids,
                          mesh=backends.mesh, native_stats=backends.native_cpu)
         out = (rows.pack(sampled), None)
     else:
         all_logits = compute_logits(weights, h)  # [T, V]: only for requests that asked for prompt_logprobs
         sampled = sample(all_logits[inputs.logits_indices], batch.sampling, max_logprobs=max_logprobs,
-                         draft_ids=batch.draft_ids, mesh=backends.mesh, native_stats=backends.native_cpu)
+                         draft_ids=draft_ids, mesh=backends.mesh, native_stats=backends.native_cpu)
         lp = prompt_logprobs(all_logits, batch.prompt_targets, max_logprobs=max_logprobs, mesh=backends.mesh)
         out = (rows.pack(sampled), prompt_rows.pack(lp))
     if hidden_layer_ids:
@@ -225,6 +236,14 @@ class ModelRunner:
         if self.async_scheduling:
             max_rows = engine_cfg.max_num_seqs * (1 + engine_cfg.num_speculative_tokens)
             self.last_tokens = jax.device_put(np.zeros(max_rows, np.int32), self._replicated)
+        # An EAGLE-3 head's drafts may stay on the device (`Eagle3Proposer`): the next step takes them from this
+        # array (`StepBatch.draft_feed`), which the head replaces after each target step it drafts from. Without a
+        # mesh and in one piece (on a mesh the head's output would have to be placed as the step expects it;
+        # pipeline stages take tokens on the first stage only).
+        self.drafts = None
+        if self.hidden_layer_ids and self.first_stage and self.last_stage and self.mesh is None:
+            size = engine_cfg.max_num_seqs * engine_cfg.num_speculative_tokens
+            self.drafts = jax.device_put(np.zeros(size, np.int32), self._replicated)
         self._layouts: dict[tuple[Bucket, bool], Layout] = {}
         self._executables: dict[tuple[Bucket, bool], jax.stages.Compiled] = {}
         self.num_compiles = 0
@@ -271,6 +290,7 @@ class ModelRunner:
             np.full(R, -1, np.int32) if self.engine_cfg.speculative_config is not None else None,
             np.full(T, -1, np.int32) if prompt_logprobs else None,
             np.full(T, -1, np.int32) if self.async_scheduling else None,
+            np.full(T, -1, np.int32) if self.drafts is not None else None,
         )
 
     def layout(self, b: Bucket, prompt_logprobs: bool = False) -> Layout:
@@ -290,9 +310,9 @@ class ModelRunner:
             packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
             x_in = None if self.first_stage else jax.ShapeDtypeStruct(
                 (bucket.num_tokens, self.model_cfg.hidden_size), self.dtype, sharding=self._replicated)
-            prev = None if self.last_tokens is None else jax.ShapeDtypeStruct(
-                self.last_tokens.shape, jnp.int32, sharding=self._replicated)
-            exe = self._jitted.lower(self.weights, self.kv, packed, x_in, prev, layout=lay).compile()
+            prev, drafts = (None if a is None else jax.ShapeDtypeStruct(a.shape, jnp.int32, sharding=self._replicated)
+                            for a in (self.last_tokens, self.drafts))
+            exe = self._jitted.lower(self.weights, self.kv, packed, x_in, prev, drafts, layout=lay).compile()
             self._executables[key] = exe
             self.num_compiles += 1
             logger.info("compiled %s%s in %.1f s", bucket, " (prompt logprobs)" if prompt_logprobs else "",
@@ -354,7 +374,7 @@ class ModelRunner:
     def call(self, bucket: Bucket, with_prompt: bool, packed: jax.Array, x_in: jax.Array | None = None) -> tuple:
         """One executable call on device-resident inputs (the KV cache is donated and replaced)."""
         exe = self.executable(bucket, with_prompt)
-        out, self.kv = exe(self.weights, self.kv, packed, x_in, self.last_tokens)
+        out, self.kv = exe(self.weights, self.kv, packed, x_in, self.last_tokens, self.drafts)
         if self.async_scheduling:
             self.last_tokens = out[-1]
         return out
@@ -398,9 +418,10 @@ class ProposerRunner:
             logger.info("compiled proposer step for %s in %.1f s", device_input.shape, time.perf_counter() - t0)
         return exe
 
-    def run(self, layout: Layout, inputs, device_input: jax.Array) -> np.ndarray:
-        """`inputs`: the host pytree `layout` was derived from (e.g. the head's catch-up dataclass)."""
+    def run(self, layout: Layout, inputs, device_input: jax.Array, fetch: bool = True) -> np.ndarray | jax.Array:
+        """`inputs`: the host pytree `layout` was derived from (e.g. the head's catch-up dataclass). `fetch=False`:
+        the output stays on the device (not waited for)."""
         exe = self.executable(layout, jax.ShapeDtypeStruct(device_input.shape, device_input.dtype))
         packed = jax.device_put(layout.pack(inputs), self.sharding)
         out, self.state = exe(self.weights, self.shared, self.state, device_input, packed)
-        return np.asarray(jax.device_get(out))
+        return np.asarray(jax.device_get(out)) if fetch else out

@@ -40,6 +40,9 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
+    # >= 0: spec_token_ids are placeholders for drafts on the device, at this offset of the EAGLE-3 head's draft
+    # array (`Eagle3Proposer`; valid until the head runs again)
+    spec_draft_slot: int = -1
     draft_num_computed: int = 0  # tokens whose draft-model KV is valid (draft_model speculation)
     spec_disabled: bool = False  # the proposer can no longer draft for it (an EAGLE-3 head skipped its catch-up)
     spec_num_verified: int = 0  # draft tokens verified so far (speculative decoding metrics)

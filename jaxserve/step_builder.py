@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxserve.batch import Bucket, ScheduledSeq, StepBatch, build_step_inputs, choose_bucket, row_offsets
+from jaxserve.batch import FED_DRAFT, Bucket, ScheduledSeq, StepBatch, build_step_inputs, choose_bucket, row_offsets
 from jaxserve.config import EngineConfig
 from jaxserve.sampler import SamplingInputs
 from jaxserve.sampling_params import SamplingParams
@@ -42,13 +42,17 @@ def mix32(*values: int) -> int:
 
 
 class StepBuilder:
-    def __init__(self, cfg: EngineConfig, stop_ids: Callable[[SamplingParams], list[int]]):
-        """`stop_ids(params)`: the token ids that end generation for a request (suppressed under min_tokens)."""
+    def __init__(self, cfg: EngineConfig, stop_ids: Callable[[SamplingParams], list[int]],
+                 draft_feed: bool = False):
+        """`stop_ids(params)`: the token ids that end generation for a request (suppressed under min_tokens).
+        `draft_feed`: steps carry `StepBatch.draft_feed` (the runner takes drafts from the device,
+        `ModelRunner.drafts`)."""
         self.cfg = cfg
         self.stop_ids = stop_ids
         self.rng = np.random.default_rng(cfg.seed)  # seeds of unseeded requests
         self.speculative = cfg.speculative_config is not None
         self.async_scheduling = bool(cfg.async_scheduling)
+        self.draft_feed = draft_feed
 
     def build(self, work: list[ScheduledWork]) -> tuple[Bucket, StepBatch]:
         seqs = [self.scheduled_seq(w) for w in work]
@@ -68,16 +72,20 @@ class StepBuilder:
             if not w.completes_sequence:
                 continue  # a prefill chunk that samples nothing: neutral row
             drafts = w.seq.spec_token_ids[: w.num_draft]
+            # drafts on the device: placeholders here (never for a request with penalties, whose rows' token history
+            # holds them: the head fetches those)
+            on_device = w.num_draft > 0 and w.seq.spec_draft_slot >= 0
             try:
                 for j in range(w.num_draft + 1):  # verify position j has drafts[:j] as its newest output tokens
                     self.fill_row(sampling, row0 + j, w.seq, drafts[:j])
                     if j < w.num_draft:
-                        draft_ids[row0 + j] = drafts[j]
+                        draft_ids[row0 + j] = FED_DRAFT if on_device else drafts[j]
             except Exception as e:  # noqa: BLE001 -- this request's data; the others must not pay for it
                 raise RowBuildError(w.seq.request_id, f"building its sampling row raised {e!r}") from e
         inputs = build_step_inputs(seqs, bucket, cfg.page_size)
         feed = token_feed(seqs, bucket.num_tokens) if self.async_scheduling else None
-        return bucket, StepBatch(inputs, sampling, draft_ids, prompt_targets(work, bucket.num_tokens), feed)
+        dfeed = draft_feed(seqs, bucket.num_tokens) if self.draft_feed else None
+        return bucket, StepBatch(inputs, sampling, draft_ids, prompt_targets(work, bucket.num_tokens), feed, dfeed)
 
     def scheduled_seq(self, w: ScheduledWork) -> ScheduledSeq:
         """What `w` computes. Under async scheduling its last token may still be in flight (sampled by the step
@@ -91,7 +99,13 @@ class StepBuilder:
                 raise AssertionError(f"sequence {seq.seq_id}: tokens {seq.num_known_tokens}..{end} are not known")
             tokens.append(0)
             feed_row = seq.pending_row
-        return ScheduledSeq(tokens + seq.spec_token_ids[: w.num_draft], start, seq.page_ids, w.num_draft, feed_row)
+        slot = seq.spec_draft_slot if w.num_draft else -1
+        if slot >= 0 and not self.draft_feed:
+            raise AssertionError(f"sequence {seq.seq_id}: drafts on the device, and steps without a draft feed")
+        # placeholders whose device drafts were replaced (a step retried in parts) go in as token 0: their rows
+        # verify no draft
+        drafts = [max(t, 0) for t in seq.spec_token_ids[: w.num_draft]]
+        return ScheduledSeq(tokens + drafts, start, seq.page_ids, w.num_draft, feed_row, slot)
 
     def fill_row(self, sampling: SamplingInputs, row: int, seq: Sequence, extra: list[int]) -> None:
         """Sampling settings of one row: `seq` as if `extra` (verified drafts) had already been generated."""
@@ -141,4 +155,16 @@ def token_feed(seqs: list[ScheduledSeq], num_tokens: int) -> np.ndarray:
         t += len(sq.token_ids)
         if sq.feed_row >= 0:
             feed[t - 1 - sq.num_draft] = sq.feed_row
+    return feed
+
+
+def draft_feed(seqs: list[ScheduledSeq], num_tokens: int) -> np.ndarray:
+    """i32[T]: for each token position, the index of the device draft array it takes (drafts an EAGLE-3 head left
+    on the device), -1 = the host's token id."""
+    feed = np.full(num_tokens, -1, np.int32)
+    t = 0
+    for sq in seqs:
+        t += len(sq.token_ids)
+        if sq.draft_slot >= 0:
+            feed[t - sq.num_draft : t] = np.arange(sq.draft_slot, sq.draft_slot + sq.num_draft)
     return feed

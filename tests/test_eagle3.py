@@ -408,6 +408,80 @@ def test_greedy_with_eagle3_equals_plain_mixed_k(target, prompts_and_plain, tmp_
     assert eng.proposer.num_compiles <= eng.runner.num_compiles
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_stay_on_the_device(target, prompts_and_plain, rigged_head, plain, tmp_path, monkeypatch,
+                                   async_scheduling):
+    """The head's drafts stay on the device: the next step takes them from the head's output (`draft_feed`) without
+    the host fetching them. The same requests, drafts on the device and fetched, alternating on one engine: the
+    same drafts verified and accepted at every position (a misplaced or stale draft would be rejected: the counts
+    would differ), outputs equal to the plain engine's; the head's drafting runs are not fetched, its catch-ups
+    alone are. A request with penalties needs its drafts on the host (its verify rows' token history): a run
+    that drafts for it fetches, and its output equals the plain engine's too."""
+    prompts, params, ref = prompts_and_plain
+    random_head = str(tmp_path / "random")
+    make_head(random_head, "speculators", seed=11)
+    for head in (rigged_head[0], random_head):
+        llm = LLM(target[0], **_engine_args(num_pages=20, speculative_config=_eagle(head),
+                                            async_scheduling=async_scheduling))
+        eng = llm.llm_engine
+        assert eng.proposer.drafts_on_device and eng.builder.draft_feed  # on by default on one device
+        runs, run = [], eng.proposer.runner.run
+        monkeypatch.setattr(eng.proposer.runner, "run", lambda lay, x, aux, fetch=True: runs.append(
+            (fetch, int(x.num_draft.max()))) or run(lay, x, aux, fetch=fetch))
+        counts = {}
+        for on_device in (True, False, True):
+            eng.proposer.drafts_on_device = on_device
+            llm.reset_prefix_cache()
+            runs.clear()
+            m = eng.spec.metrics
+            before = list(m.num_drafts), list(m.num_accepted)
+            assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+            drafts = [a - b for a, b in zip(m.num_drafts, before[0])]
+            accepted = [a - b for a, b in zip(m.num_accepted, before[1])]
+            counts.setdefault(on_device, []).append((drafts, accepted))
+            assert sum(drafts) > 20
+            # drafting runs stay on the device exactly when asked; catch-ups that draft nothing are fetched
+            assert all(fetch == (not on_device or d == 0) for fetch, d in runs), runs
+            assert any(d for _, d in runs)
+        assert counts[True][0] == counts[True][1] == counts[False][0], counts
+        if head == rigged_head[0]:
+            assert sum(counts[True][0][1]) > 5  # drafts taken from the device were accepted
+        eng.block_manager.check()
+        assert eng.block_manager.num_used_pages == 0
+    # penalties: drafts fetched for the runs that draft for that request
+    pen = [dataclasses.replace(p, repetition_penalty=1.3) if i == 0 else p for i, p in enumerate(params)]
+    ref_pen = _ids(plain.generate(prompts, pen, use_tqdm=False))
+    eng.proposer.drafts_on_device = True
+    runs.clear()
+    assert _ids(llm.generate(prompts, pen, use_tqdm=False)) == ref_pen
+    assert any(d and fetch for fetch, d in runs) and any(d and not fetch for fetch, d in runs), runs
+
+
+def test_verify_step_with_device_drafts_retried_in_parts(target, prompts_and_plain, rigged_head):
+    """A verify step whose drafts are on the device raises once: the engine runs its sequences one at a time, and the
+    head's run after the first of them replaces the device drafts the others' placeholders point at; those verify no
+    drafts (token 0 in, nothing accepted) instead of reading another run's drafts. Outputs equal the plain engine's."""
+    from jaxserve.batch import FED_DRAFT
+
+    prompts, params, ref = prompts_and_plain
+    llm = LLM(target[0], **_engine_args(speculative_config=_eagle(rigged_head[0]), async_scheduling=False))
+    eng = llm.llm_engine
+    dispatch, failed = eng.runner.dispatch, []
+
+    def flaky(steps):
+        batch = steps[0][1]
+        if not failed and int(batch.inputs.num_seqs) >= 3 and (np.asarray(batch.draft_ids) == FED_DRAFT).any():
+            failed.append(int(batch.inputs.num_seqs))
+            raise RuntimeError("injected device fault")
+        return dispatch(steps)
+
+    eng.runner.dispatch = flaky
+    assert _ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+    assert failed and eng.num_failed_requests == 0
+    eng.block_manager.check()
+    assert eng.block_manager.num_used_pages == 0
+
+
 def test_accepted_drafts_and_preemption(target, prompts_and_plain, rigged_head):
     """Greedy output equals the plain engine's through accepted drafts and preemptions, with async scheduling off
     and on; with K fixed, both verify and accept the same drafts (async scheduling overlaps only the steps without
@@ -542,7 +616,8 @@ def _check_drafts(eng, model, w, flags, steps, drafts=True, head_off=False):
         eng.step()
         for seq in eng.scheduler.running:
             if drafts and seq.spec_token_ids:
-                assert seq.spec_token_ids == _reference_drafts(model, w, seq.token_ids, len(seq.spec_token_ids), flags)
+                got = eng.proposer.drafts_of(seq)  # drafts left on the device included
+                assert got == _reference_drafts(model, w, seq.token_ids, len(got), flags)
                 checked += 1
             if seq.spec_disabled:  # opted out: the head never catches up on it (checked in the test below)
                 assert head_off or seq.params.num_speculative_tokens == 0
@@ -590,6 +665,22 @@ def test_prefix_cache_hit_leaves_the_head_kv_valid(target, tmp_path, shared, reu
     assert eng.block_manager.num_prefix_hits - hits == reused
 
 
+def test_prefix_hit_on_every_known_token(target, tmp_path):
+    """A sequence preempted with a token in flight (async scheduling) may find every token it knows in the prefix
+    cache: its next token is not known, so the pairing of the last cached page cannot be checked and that page is
+    recomputed (before, looking the next token up raised IndexError and took the engine down)."""
+    import types
+
+    make_head(str(tmp_path), "speculators", seed=6)
+    eng = LLM(target[0], **_engine_args(speculative_config=_eagle(str(tmp_path)))).llm_engine
+    ps = eng.config.page_size
+    seq = types.SimpleNamespace(token_ids=list(range(3, 3 + 2 * ps)), page_hashes=[11, 12])
+    eng.proposer._pairs[12] = 99
+    assert eng.proposer.reusable_prefix(seq, 2 * ps) == ps
+    seq.token_ids.append(99)  # the next token known, and the one the head paired the page with: all reused
+    assert eng.proposer.reusable_prefix(seq, 2 * ps) == 2 * ps
+
+
 def test_precompiled_engine_never_recompiles(target, rigged_head, prompts_and_plain):
     llm = LLM(target[0], **_engine_args(precompile=True, speculative_config=_eagle(rigged_head[0])))
     eng = llm.llm_engine
@@ -632,7 +723,7 @@ def test_head_drafts_only_what_the_controller_would_verify(target, rigged_head, 
         return process(work, *args)
 
     head_runs, run = [], eng.proposer.runner.run
-    monkeypatch.setattr(eng.proposer.runner, "run", lambda *a: head_runs.append(1) or run(*a))
+    monkeypatch.setattr(eng.proposer.runner, "run", lambda *a, **kw: head_runs.append(1) or run(*a, **kw))
     monkeypatch.setattr(eng.proposer, "after_step", spy_after_step)
     monkeypatch.setattr(eng, "_process", spy_process)
     for k_fixed in (1, 0, 2):  # K = 2 after K = 0: requests that arrive after the head was off speculate again
@@ -665,10 +756,10 @@ def test_no_speculation_is_priced_without_the_heads_run(target, rigged_head, pro
     eng = llm.llm_engine
     head_runs, run = [], eng.proposer.runner.run
 
-    def slow_run(*a):
+    def slow_run(*a, **kw):
         head_runs.append(1)
         time.sleep(0.02)
-        return run(*a)
+        return run(*a, **kw)
 
     monkeypatch.setattr(eng.proposer.runner, "run", slow_run)
     priced, step = [], {}  # per step the controller timed: (drafts, the head's share, the seconds it was given)
@@ -734,8 +825,8 @@ def test_async_scheduling_overlaps_the_steps_that_do_not_speculate(target, rigge
             dispatch, fetch, run = eng.runner.dispatch, eng.runner.fetch, eng.proposer.runner.run
             monkeypatch.setattr(eng.runner, "dispatch", lambda s: in_flight.append(in_flight.pop() + 1) or dispatch(s))
             monkeypatch.setattr(eng.runner, "fetch", lambda o: in_flight.append(in_flight.pop() - 1) or fetch(o))
-            monkeypatch.setattr(eng.proposer.runner, "run", lambda lay, x, aux: head_runs.append(
-                (in_flight[0], x.num_draft.max())) or run(lay, x, aux))
+            monkeypatch.setattr(eng.proposer.runner, "run", lambda lay, x, aux, **kw: head_runs.append(
+                (in_flight[0], x.num_draft.max())) or run(lay, x, aux, **kw))
             while eng.has_unfinished_requests():
                 _check_drafts(eng, target[1], w, {}, steps=1, drafts=False, head_off=True)
             # the head drafted only with no target step in flight; with one, it only caught up
