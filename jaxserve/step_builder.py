@@ -68,13 +68,13 @@ class StepBuilder:
         )
         sampling = SamplingInputs.neutral(bucket.rows, bucket.max_pages * cfg.page_size)
         draft_ids = np.full(bucket.rows, NO_DRAFT, np.int32) if self.speculative else None
-        for w, row0 in zip(work, row_offsets(seqs)):
+        for w, sq, row0 in zip(work, seqs, row_offsets(seqs)):
             if not w.completes_sequence:
                 continue  # a prefill chunk that samples nothing: neutral row
             drafts = w.seq.spec_token_ids[: w.num_draft]
             # drafts on the device: placeholders here (never for a request with penalties, whose rows' token history
             # holds them: the head fetches those)
-            on_device = w.num_draft > 0 and w.seq.spec_draft_slot >= 0
+            on_device = sq.draft_slot >= 0
             try:
                 for j in range(w.num_draft + 1):  # verify position j has drafts[:j] as its newest output tokens
                     self.fill_row(sampling, row0 + j, w.seq, drafts[:j])
