@@ -644,6 +644,36 @@ def test_drafts_follow_the_pairing_convention(target, tmp_path):
     assert _check_drafts(eng, model, w, flags, steps=6) >= 6
 
 
+def test_drafts_past_a_sequences_pages_use_its_own_scratch_page(target, tmp_path):
+    """Two different 9-token prompts decode in lockstep (a random head: drafts rejected, one token a step), K = 5: in
+    some runs both rows' draft passes write and read positions past the pages they hold, at the same slots. Each row
+    drafts there in a scratch page of its own: all 5 drafts (a cap to the held pages cut them to 2 or 3), each equal
+    to the reference (a page shared by the rows, or the padding page, mixes their draft KV)."""
+    tpath, model = target
+    w = make_head(str(tmp_path), "speculators", seed=3)
+    eng = LLM(tpath, **_engine_args(speculative_config=_eagle(str(tmp_path), k=5))).llm_engine
+    ps, runs = eng.config.page_size, []
+    run = eng.proposer.runner.run
+
+    def spy(layout, inputs, *a, **kw):  # rows whose passes read draft KV written past their pages
+        runs.append(int(np.sum(inputs.draft_pos + inputs.num_draft - 3 >= inputs.num_pages * ps)))
+        return run(layout, inputs, *a, **kw)
+
+    eng.proposer.runner.run = spy
+    for i, p in enumerate(_prompts(2, seed=4)):
+        ids = (p["prompt_token_ids"] * 9)[:9]
+        eng.add_request(f"r{i}", {"prompt_token_ids": [t + i for t in ids]},
+                        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    for _ in range(12):
+        eng.step()
+        for seq in eng.scheduler.running:
+            if seq.spec_token_ids:
+                got = eng.proposer.drafts_of(seq)
+                assert got == _reference_drafts(model, w, seq.token_ids, len(got), {})
+                assert len(got) == 5 or seq.num_output_tokens + len(got) + 1 >= 14
+    assert runs.count(2) >= 2, runs  # both rows, in several runs
+
+
 @pytest.mark.parametrize("shared, reused", [(8, 4), (9, 8)], ids=["next-token-differs", "next-token-shared"])
 def test_prefix_cache_hit_leaves_the_head_kv_valid(target, tmp_path, shared, reused):
     """B shares A's first `shared` prompt tokens, so two cached pages (8 tokens) match. A's head KV at the last

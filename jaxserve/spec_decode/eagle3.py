@@ -39,11 +39,13 @@ scheduling, a step that lands while the next one is already in flight (built wit
 (`draft_cap` 0), or the head is off as above when the controller would not speculate (k_hint = 0).
 
 Pages. The head's cache uses the target's page ids (page p of both caches holds the same positions), so
-allocation, sharing and preemption need nothing new. Draft passes write slots n-1 .. n+K-3; instead of reserving
-pages outside the scheduler, K is capped per sequence so every write lands in a page the sequence already holds
-(K <= pages * page_size - n + 2; the held pages cover the n - 1 computed tokens, so K >= 1 always fits); the cap
-only bites in the last slots of a page.
-Rejected drafts' slots are simply overwritten by the next catch-up.
+allocation, sharing and preemption need nothing new. Draft passes write slots n-1 .. n+K-3, which may lie past the
+pages the sequence holds (those cover the n - 1 computed tokens; the scheduler allocates the rest for the verify
+step, after the head ran). The head's cache has one scratch page per step row beyond the target's page ids: the
+draft passes see it as the page after a row's last held one, so a draft never lands in a page the sequence does not
+own and K is not cut at a page's end (it was, to fit the held pages, and lost ~2% of the drafts on chat replies at
+16-token pages, ~1 in 4 steps at 4); only K > page_size + 1 is capped. Draft KV is dead once its step is verified:
+the next catch-up writes the accepted positions into the real pages, and rejected drafts' slots are overwritten.
 
 Preemption drops the target KV and with it the head's (both recomputed, and the head catches up along the
 prefill). Prefix caching: a cached page's head KV was written by the sequence that computed it, and its last slot
@@ -93,6 +95,7 @@ class CatchUpInputs:
     feature_rows: jax.Array  # i32[T]  the target step's token row whose feature each catch-up token pairs with
     draft_pos: jax.Array  # i32[S]  n - 1: where each sequence's first draft pass writes
     num_draft: jax.Array  # i32[S]  drafts wanted per sequence (0 = catch-up only)
+    num_pages: jax.Array  # i32[S]  pages each sequence holds: its draft passes see the row's scratch page next
 
 
 def draft_fn(
@@ -100,6 +103,7 @@ def draft_fn(
     k: int,
     max_seqs: int,
     page_size: int,
+    scratch: int,  # the first scratch page (the target's page count): row s drafts past its pages into scratch + s
     backends,  # ops.Backends: the target's
     weights: Eagle3Weights,
     embed: jax.Array,  # f[V, D]  the target's embedding
@@ -119,9 +123,11 @@ def draft_fn(
     h, normed, kv = eagle3_forward(cfg, weights, embed, kv, inputs, aux[a.feature_rows], from_target=True,
                                    backends=backends, last_only=True)
     tok = greedy_target_ids(weights, draft_logits(weights, normed))
-    bt = inputs.block_tables  # [S, P]
-    P = bt.shape[1]
+    P = inputs.block_tables.shape[1]
     seq_idx = jnp.arange(S, dtype=jnp.int32)
+    # the draft passes' block table: each row's scratch page right after its held ones (rows holding P pages have
+    # none; their K was capped to fit)
+    bt = jnp.where(jnp.arange(P)[None, :] == a.num_pages[:, None], scratch + seq_idx[:, None], inputs.block_tables)
 
     def more(carry):
         return carry[0] < jnp.max(a.num_draft)  # the step's trip count is data: no pass nobody asked for
@@ -175,14 +181,17 @@ class Eagle3Proposer(Proposer):
                 f"the target runner captures layers {runner.hidden_layer_ids}, the head needs {self.cfg.aux_layer_ids}"
             )
         kv_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, engine_cfg.dtype)
-        kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages, engine_cfg.page_size, kv_dtype)
+        # the target's page ids, then one scratch page per step row for drafts past a sequence's pages
+        kv = init_kv_cache(self.cfg.layer, engine_cfg.num_pages + engine_cfg.max_num_seqs, engine_cfg.page_size,
+                           kv_dtype)
         # the head runs on the target's kernels: attention, and its linear maps stored for them (`store_head`)
         # On a tensor-parallel target the head runs replicated on the target's devices, beside the features and the
         # (vocabulary-sharded) embedding it reads there; its attention is not split by heads.
         backends = dataclasses.replace(runner.backends, mesh=None)
         self.scheme = head_scheme(spec, engine_cfg.quantization)
         host = store_head(host, self.scheme, linear_kernel(backends))  # the target's kernels for its linear maps
-        fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.max_num_seqs, engine_cfg.page_size, backends)
+        fn = functools.partial(draft_fn, self.cfg, self.k, engine_cfg.max_num_seqs, engine_cfg.page_size,
+                               engine_cfg.num_pages, backends)
         self.runner = ProposerRunner(fn, host, kv, shared=runner.head_embed, sharding=runner._replicated)
         # Drafts on the device: the target runner takes the next step's drafts from the head's output without the
         # host fetching them (`ModelRunner.drafts`), where it can (one device); `drafts_on_device` turns it off.
@@ -210,7 +219,7 @@ class Eagle3Proposer(Proposer):
         S = b.num_seqs
         return CatchUpInputs(
             build_step_inputs(list(seqs), b, self.engine_cfg.page_size),
-            np.zeros(b.num_tokens, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32),
+            np.zeros(b.num_tokens, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32),
         )
 
     def _layout(self, b: Bucket) -> Layout:
@@ -265,8 +274,8 @@ class Eagle3Proposer(Proposer):
         f[T, 3D] on device (`ModelRunner.last_hidden`); `draft_cap(seq)`: the most drafts the engine lets `seq`
         verify (K, the request's cap, its end; 0 = catch up only); `k_hint`: draft at most this many per sequence
         (None: no further limit; 0 = the head is off, see the module doc)."""
-        ps = self.engine_cfg.page_size
-        seqs, feature_rows, draft_pos, num_draft, owners = [], [], [], [], []
+        ps, max_pages = self.engine_cfg.page_size, self.engine_cfg.max_pages_per_seq
+        seqs, feature_rows, draft_pos, num_draft, owners, pages_seen = [], [], [], [], [], []
         t = 0
         for w, start, end in zip(work, starts, ends):
             seq, row0 = w.seq, t
@@ -285,12 +294,15 @@ class Eagle3Proposer(Proposer):
                     self._pairs.pop(seq.page_hashes[p // ps], None)  # re-inserted as the newest
                     self._pairs[seq.page_hashes[p // ps]] = seq.token_ids[p + 1]
             feature_rows.extend(range(row0, row0 + n_valid))
-            k = 0
+            k, held = 0, len(seq.page_ids)
             if not seq.is_finished and seq.num_uncomputed_tokens == 1:
                 k = draft_cap(seq) if k_hint is None else min(draft_cap(seq), k_hint)
-                k = min(k, len(seq.page_ids) * ps - n + 2)  # every draft KV write lands in a held page
+                # every draft KV write lands in a held page or the scratch page after them (when the row's block
+                # table has a column left for it)
+                k = min(k, (held + (held < max_pages)) * ps - n + 2)
             draft_pos.append(n - 1)
             num_draft.append(max(k, 0))
+            pages_seen.append(held + (n + k - 2 > held * ps))  # block-table columns the row's passes read
             owners.append(seq)
             seq.draft_num_computed = end
         while len(self._pairs) > self._max_pairs:
@@ -300,11 +312,12 @@ class Eagle3Proposer(Proposer):
         self._device_owners = []
         if not seqs:
             return
-        b = self._bucket(aux.shape[0], max(len(s.page_ids) for s in seqs))
+        b = self._bucket(aux.shape[0], max(pages_seen))
         inputs = self._inputs(b, seqs)
         inputs.feature_rows[: len(feature_rows)] = feature_rows
         inputs.draft_pos[: len(seqs)] = draft_pos
         inputs.num_draft[: len(seqs)] = num_draft
+        inputs.num_pages[: len(seqs)] = [len(s.page_ids) for s in seqs]
         # Drafts stay on the device when the host needs nothing from them: the next step takes them from there
         # (`StepBatch.draft_feed`) and is built while the head runs. A catch-up that drafts nothing still waits for
         # the head, so that its time is the step's (the controller prices no speculation without it), and a
