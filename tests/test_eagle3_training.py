@@ -293,7 +293,7 @@ def test_loss_mask_covers_exactly_the_output_predictions(dataset):
     tr = _trainer(store, eval_frac=0.0)
     total = None
     for plan in tr._plans(np.arange(store.num_samples)):
-        st = tr._eval_step(tr.params, tr.embed, tr.vocab, tr._batch(plan))
+        st, _ = tr._eval_step(tr.params, tr.embed, tr.vocab, tr._batch(plan))
         total = st if total is None else jax.tree.map(jnp.add, total, st)
     for k in range(3):  # step k at chain p predicts token p + 2 + k: counted iff that token is an output token
         want = sum(len(r["output_token_ids"]) - max(0, 2 + k - len(r["prompt_token_ids"])) for r in samples)
@@ -342,6 +342,44 @@ def test_training_learns_and_exports_losslessly(target, dataset, trained, plain_
     ref = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, sp, use_tqdm=False)]
     assert got == ref
     assert sum(spec.llm_engine.spec.metrics.num_accepted) > 0  # the trained head's drafts do get accepted
+
+
+def test_served_walk_counts_drafts_as_the_engine_does():
+    """A hand-made reply (prompt 3 tokens, 12 in all, K = 3): the steps the walk takes and what it records, without a
+    budget, under one the reply filled, and under one it ended before (at EOS: the engine drafts past it)."""
+    from jaxserve.spec_decode.controller import SpecMetrics
+
+    hits = np.full((12, 3), -1, np.int8)
+    hits[2], hits[5], hits[6], hits[8] = [1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, -1]
+
+    def walk(max_tokens):
+        m = SpecMetrics(3)
+        ttt.served_walk(hits, 3, 12, max_tokens, m)
+        return m.num_drafts, m.num_accepted, m.num_steps, m.num_emitted
+
+    # chains 2 (accepts 2) -> 5 (0) -> 6 (1) -> 8: two drafts left in the reply, both accepted -> 11, done
+    assert walk(None) == ([4, 4, 3], [3, 2, 0], 4, 9)
+    # budget 9 = the reply: at chain 8 one draft, so that the last token is the target's -> chain 10, done
+    assert walk(9) == ([4, 3, 3], [3, 1, 0], 4, 8)
+    # budget 12, the reply ended at 9: chain 8 drafts 3, the one past the end rejected
+    assert walk(12) == ([4, 4, 4], [3, 2, 0], 4, 9)
+
+
+def test_served_walk_replays_serving(target, dataset, trained):
+    """The walk over the features of the target's own greedy replies measures what serving those prompts with the
+    head (K = 3 every step, same budget) measures: the same drafts and acceptances, position by position."""
+    from training.eagle3.ship import speculating_llm
+
+    samples, store = dataset
+    tr, head, _, _ = trained
+    walked = tr.evaluate(ids=np.arange(store.num_samples), max_tokens=24)["served_walk"]
+    llm = speculating_llm(target, head, 3, 4, **SERVE_KW)
+    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in samples],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r["output_token_ids"] for r in samples]
+    served = llm.llm_engine.spec.metrics.as_dict()
+    assert served["num_accepted_tokens"] > 0
+    assert walked == served
 
 
 def test_training_can_start_from_an_exported_head(dataset, trained, tmp_path):

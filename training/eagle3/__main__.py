@@ -1,9 +1,12 @@
-"""`python -m training.eagle3 {regenerate,features,train,eval,ship}`: the EAGLE-3 head pipeline.
+"""`python -m training.eagle3 {regenerate,features,train,eval,heldout,ship}`: the EAGLE-3 head pipeline.
 
     regenerate  ShareGPT prompts answered greedily by the target -> JSONL   (training/eagle3/regenerate.py)
     features    JSONL -> feature directory (target aux features, final hidden, argmax, loss mask)
     train       feature directory -> trained head, exported in speculators format (+ held-out evaluation)
-    eval        an exported head + a feature directory -> per-position accuracy and implied acceptance length
+    eval        an exported head + a feature directory -> per-position accuracy and implied acceptance length,
+                and the acceptance a server would measure on those replies (`ttt.served_walk`)
+    heldout     ship's held-out chat prompts answered greedily -> their features, for `eval` to replay the served
+                measurement without serving
     ship        an exported head -> the directory jaxserve ships (bfloat16, with its card)  (training/eagle3/ship.py)
 
 Every step can be spread over several runs: run `regenerate` or `features` again with the same arguments and it
@@ -82,8 +85,12 @@ def _print_acceptance(result: dict, num_samples: int) -> None:
     """The held-out result as the JSON line scripts parse ("[eval] held-out {...}"), then the summary a person reads."""
     print("[eval] held-out", json.dumps(result))
     acc = " / ".join(f"{x:.3f}" for x in result["acc"])
-    print(f"[eval] {num_samples} held-out samples: mean acceptance length tau {result['tau']:.2f}, accuracy per "
-          f"draft step {acc}", flush=True)
+    walk = result["served_walk"]
+    served = " / ".join(f"{x:.3f}" for x in walk["acceptance_rate_per_position"])
+    print(f"[eval] {num_samples} held-out samples: over every chain, accuracy per draft step {acc}, tau "
+          f"{result['tau']:.2f}; walked as served (K = {len(walk['acceptance_rate_per_position'])} every step), "
+          f"acceptance per position {served}, mean acceptance length {walk['mean_acceptance_length']:.2f}",
+          flush=True)
 
 
 def train(argv) -> None:
@@ -145,12 +152,28 @@ def evaluate(argv) -> None:
     ap.add_argument("--ttt-steps", type=int, default=TrainConfig().ttt_steps)
     ap.add_argument("--eval-frac", type=float, default=TrainConfig().eval_frac, help="the split train used")
     ap.add_argument("--all", action="store_true", help="every sample, not just the held-out split")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="the budget the replies were generated under, for the served walk (`heldout`: 128)")
     _add_parallel_args(ap)
     a = ap.parse_args(argv)
     _init_processes(a)
     store = FeatureStore.open(a.features)
     tr = Trainer(store, TrainConfig(ttt_steps=a.ttt_steps, eval_frac=a.eval_frac), head=a.head, mesh=a.mesh)
-    print(json.dumps(tr.evaluate(ids=np.arange(store.num_samples) if a.all else None)))
+    ids = np.arange(store.num_samples) if a.all else tr.eval_ids
+    _print_acceptance(tr.evaluate(ids=ids, max_tokens=a.max_tokens), len(ids))
+
+
+def heldout(argv) -> None:
+    from training.eagle3.ship import SERVED, served_features
+
+    ap = argparse.ArgumentParser(prog="python -m training.eagle3 heldout")
+    ap.add_argument("--out", required=True, help="feature directory to write (with the replies, replies.jsonl)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="the first N of `ship`'s held-out chat prompts")
+    ap.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    a = ap.parse_args(argv)
+    print(json.dumps(served_features(a.out, a.num_prompts, a.model)))
+    print(f"[heldout] now: python -m training.eagle3 eval --head HEAD --features {a.out} --all "
+          f"--max-tokens {SERVED['max_tokens']}", flush=True)
 
 
 def ship(argv) -> None:
@@ -171,10 +194,10 @@ def ship(argv) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cmds = {"features": features, "train": train, "eval": evaluate, "ship": ship}
+    cmds = {"features": features, "train": train, "eval": evaluate, "heldout": heldout, "ship": ship}
     if not argv or argv[0] not in cmds | {"regenerate": None}:
         print(__doc__)
-        raise SystemExit(f"expected a subcommand: regenerate, features, train, eval or ship (got {argv[:1]})")
+        raise SystemExit(f"expected a subcommand: regenerate, features, train, eval, heldout or ship (got {argv[:1]})")
     if argv[0] == "regenerate":
         from training.eagle3.regenerate import main as regenerate
 

@@ -58,6 +58,27 @@ def served_acceptance(llm, prompts: list[list[int]], max_tokens: int) -> tuple[d
     return {k: r4(v) for k, v in run.as_dict().items()}, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def served_features(out: str, num_prompts: int, target: str | None = None) -> dict:
+    """The served measurement's prompts (`chat_prompts`, the first `num_prompts`) answered by plain greedy decoding
+    under `SERVED`'s settings -> `out`/replies.jsonl and their features in `out` (returns the features' meta).
+    `python -m training.eagle3 eval --head H --features OUT --all --max-tokens 128` then walks those replies as the
+    server would (`ttt.served_walk`): `ship`'s served acceptance for any head in seconds, without serving it."""
+    from jaxserve import LLM, SamplingParams
+    from training.eagle3.features import TargetFeatures, extract
+
+    llm = LLM(target, max_num_seqs=SERVED["max_num_seqs"], quantization=SERVED["quantization"])
+    prompts = chat_prompts(llm.get_tokenizer(), num_prompts)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=SERVED["max_tokens"]), use_tqdm=False)
+    samples = [dict(index=i, prompt_token_ids=p, output_token_ids=list(o.outputs[0].token_ids), chat=True)
+               for i, (p, o) in enumerate(zip(prompts, outs))]
+    del llm, outs
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "replies.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in samples)
+    return extract(samples, TargetFeatures(target), out)
+
+
 def speculating_llm(target: str | None, head: str, k: int, max_num_seqs: int, **engine_kw):
     """An `LLM` drafting exactly `k` tokens with `head` for every sequence (adaptive K off: acceptance is measured at
     every position)."""

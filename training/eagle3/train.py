@@ -44,12 +44,13 @@ from jaxserve.loader.eagle3 import load_eagle3
 from jaxserve.loader.gguf import model_id
 from jaxserve.loader.weights import to_weights
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights
+from jaxserve.spec_decode.controller import SpecMetrics
 from training.eagle3.batches import BatchPlan, BatchStream, assemble, plan_batches
 from training.eagle3.checkpoint import CHECKPOINTS, Checkpoints, StopRequests, check_same_run, run_identity
 from training.eagle3.export import export_speculators
 from training.eagle3.features import FeatureStore
 from training.eagle3.progress import bar, duration, say
-from training.eagle3.ttt import VocabArrays, acceptance, ttt_loss
+from training.eagle3.ttt import VocabArrays, acceptance, chain_hits, served_walk, ttt_loss
 from training.eagle3.vocab import build_vocab, coverage, token_counts
 
 DEFAULT_DRAFT_VOCAB_SIZE = 8192
@@ -150,8 +151,9 @@ def _place(x, where):
     return jax.make_array_from_callback(x.shape, where, lambda idx: x[idx])
 
 
-def _eval_step(loss_fn, params, embed, vocab, batch):
-    return loss_fn(params, embed, vocab, batch)[1]
+def _eval_step(loss_fn, hits_fn, params, embed, vocab, batch):
+    """-> (the batch's summed TTT stats, its `chain_hits`); one jit, so XLA computes the draft logits once."""
+    return loss_fn(params, embed, vocab, batch)[1], hits_fn(params, embed, vocab, batch)
 
 
 def _train_step(loss_fn, params, opt_state, embed, vocab, batch, *, tx):
@@ -234,7 +236,8 @@ class Trainer:
             self.params = self._replicate(dataclasses.replace(w, d2t=None))
         loss_fn = functools.partial(ttt_loss, self.cfg, num_steps=tc.ttt_steps, decay=tc.loss_decay,
                                     kind=tc.loss)
-        self._eval_step = jax.jit(functools.partial(_eval_step, loss_fn), **self._out_replicated())
+        hits_fn = functools.partial(chain_hits, self.cfg, num_steps=tc.ttt_steps)
+        self._eval_step = jax.jit(functools.partial(_eval_step, loss_fn, hits_fn), **self._out_replicated())
         self._train_step_fn = functools.partial(_train_step, loss_fn)
 
     def _replicate(self, tree):
@@ -263,19 +266,31 @@ class Trainer:
         axes = jax.tree.map(lambda a: ("batch",) + (None,) * (a.ndim - 1), host)  # rows over dp, the rest whole
         return jax.tree.map(_place, host, sharding.shardings(self.mesh, self.mesh_config, host, axes))
 
-    def evaluate(self, params=None, ids=None) -> dict:
-        """Summed TTT stats over `ids` (default: the held-out split) -> acceptance() summary."""
+    def evaluate(self, params=None, ids=None, max_tokens: int | None = None) -> dict:
+        """Over `ids` (default: the held-out split): the `acceptance` summary of the summed TTT stats (every chain
+        alike), and under "served_walk" what a server drafting K = ttt_steps tokens at every step would measure on
+        these replies (`ttt.served_walk`, as `SpecMetrics.as_dict`; `max_tokens`: the budget the replies were
+        generated under, if they were cut by one)."""
         params = self.params if params is None else params
         ids = self.eval_ids if ids is None else ids
         total, plans = None, self._plans(ids)
+        walked = SpecMetrics(self.tc.ttt_steps)
         with bar(len(plans), desc="eval", unit="batch", quiet=jax.process_index() != 0) as progress:
             for plan in plans:
-                s = self._eval_step(params, self.embed, self.vocab, self._batch(plan))
+                batch = self._batch(plan)
+                s, hits = self._eval_step(params, self.embed, self.vocab, batch)
                 total = s if total is None else jax.tree.map(jnp.add, total, s)
+                hits, window = jax.device_get((hits, batch.window_pos))
+                for b, sample in enumerate(plan.samples):
+                    n = int(self.store.lengths[sample])
+                    by_chain = np.full((n, self.tc.ttt_steps), -1, np.int8)
+                    keep = window[b] < n
+                    by_chain[window[b][keep]] = hits[b][keep]
+                    served_walk(by_chain, int(self.store.prompt_lens[sample]), n, max_tokens, walked)
                 progress.update()
         if total is None:
             raise ValueError("no samples to evaluate")
-        return acceptance(jax.device_get(total))
+        return acceptance(jax.device_get(total)) | {"served_walk": walked.as_dict()}
 
     def export(self, path: str) -> None:
         """Write the head (speculators format); on a mesh spanning processes, process 0 alone writes."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights, fuse_features, head_output, head_qkv
 from jaxserve.model.layers import argmax
@@ -112,6 +113,27 @@ def ttt_logits(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, batch: TTT
     return jnp.stack(logits)
 
 
+def _check_step(vocab: VocabArrays, batch: TTTBatch, logits_k: jax.Array, k: int):
+    """Step k's draft logits f[B, W, Vd] -> (the target's choice for each chain's t_{p+2+k} i32[B, W], valid: that
+    token is an output token inside the sequence bool[B, W], correct: the draft's top-1 is that choice bool[B, W])."""
+    wp = batch.window_pos
+    tgt = _take(batch.target_argmax, wp + 1 + k)
+    valid = (wp + 2 + k < batch.lengths[:, None]) & _take(batch.is_output, wp + 2 + k)
+    return tgt, valid, vocab.draft_ids[argmax(logits_k)] == tgt
+
+
+def chain_hits(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: VocabArrays, batch: TTTBatch, *,
+               num_steps: int) -> jax.Array:
+    """-> i8[B, W, num_steps]: whether chain p = window_pos[b, w]'s greedy draft at step k is the target's choice
+    (1) or not (0), -1 where t_{p+2+k} is not an output token of the sequence. What `served_walk` walks."""
+    logits = ttt_logits(cfg, w, embed, batch, num_steps=num_steps)
+    hits = []
+    for k in range(num_steps):
+        _, valid, correct = _check_step(vocab, batch, logits[k], k)
+        hits.append(jnp.where(valid, correct.astype(jnp.int8), jnp.int8(-1)))
+    return jnp.stack(hits, axis=-1)
+
+
 LOSSES = ("kl", "ce")
 
 
@@ -138,8 +160,7 @@ def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: Vocab
     loss, prev = jnp.zeros((), jnp.float32), jnp.ones(wp.shape, bool)
     stats = {n: [] for n in ("loss_sum", "loss_n", "valid", "correct", "chain_prev", "chain_ok")}
     for k in range(num_steps):
-        tgt = _take(batch.target_argmax, wp + 1 + k)  # [B, W]  the target's choice for t_{p+2+k}
-        valid = (wp + 2 + k < batch.lengths[:, None]) & _take(batch.is_output, wp + 2 + k)
+        tgt, valid, correct = _check_step(vocab, batch, logits[k], k)
         mask = valid & vocab.t2d[tgt]
         logq = jax.nn.log_softmax(logits[k], axis=-1)  # [B, W, Vd]
         if kind == "kl":
@@ -151,7 +172,6 @@ def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: Vocab
         n = jnp.sum(mask)
         loss_sum = jnp.sum(jnp.where(mask, ce, 0.0))
         loss = loss + decay**k * loss_sum / jnp.maximum(n, 1)
-        correct = vocab.draft_ids[argmax(logits[k])] == tgt
         ok = prev & valid & correct  # a chain counts from its first valid step on
         for name, v in (("loss_sum", loss_sum), ("loss_n", n), ("valid", valid), ("correct", valid & correct),
                         ("chain_prev", valid & prev), ("chain_ok", valid & ok)):
@@ -163,11 +183,35 @@ def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: Vocab
 def acceptance(stats: dict) -> dict:
     """Summed stats -> per-step accuracy, chain-conditional accuracy and tau = 1 + sum_k prod_{j<=k} cond_acc_j
     (the implied mean number of tokens per target step with a chain of num_steps greedy drafts)."""
-    import numpy as np
-
     s = {k: np.asarray(v, np.float64) for k, v in stats.items()}
     acc = s["correct"] / np.maximum(s["valid"], 1)
     cond = s["chain_ok"] / np.maximum(s["chain_prev"], 1)
     tau = 1.0 + float(np.sum(np.cumprod(cond)))
     loss = s["loss_sum"] / np.maximum(s["loss_n"], 1)
     return dict(loss=loss.tolist(), acc=acc.tolist(), cond_acc=cond.tolist(), tau=tau)
+
+
+def served_walk(hits: np.ndarray, prompt_len: int, length: int, max_tokens: int | None, metrics) -> None:
+    """Replay one greedy reply as a server drafting K = hits.shape[1] tokens at every verify step sees it, recording
+    each step's (drafts, accepted) into `metrics` (a `SpecMetrics`, as the engine records them).
+
+    `hits`: i8[length, K], row p = chain p's `chain_hits` (1: the draft is the target's choice). The reply's first
+    token comes from prefill; the first verify step drafts from chain P - 1 (P = `prompt_len`), and a step at chain
+    p that accepts a drafts moves to chain p + a + 1 (the a accepted tokens and the target's own next one). Drafts
+    per step are capped as the engine caps them: with `max_tokens` (the budget the reply was generated under), so
+    that the last token of the budget is the target's own, and drafts past a reply that ended sooner (at EOS: the
+    engine cannot know) count as drafted and rejected; without it, at the reply's last token.
+
+    Per-position acceptance averaged over every chain (`acceptance`) reads higher than this: a step starts where the
+    previous one's drafts failed, and those positions are harder than the average one."""
+    P, n, K = prompt_len, length, hits.shape[1]
+    end = n if max_tokens is None else min(n, P + max_tokens)
+    p = P - 1
+    while p + 2 < end:  # p + 2 tokens known
+        m = min(K, n - p - 2) if max_tokens is None else min(K, P + max_tokens - p - 3)
+        a = 0
+        while a < m and p + 2 + a < n and hits[p, a] == 1:
+            a += 1
+        if m > 0:
+            metrics.record(m, a)
+        p += a + 1
