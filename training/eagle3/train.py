@@ -268,13 +268,14 @@ class Trainer:
 
     def evaluate(self, params=None, ids=None, max_tokens: int | None = None) -> dict:
         """Over `ids` (default: the held-out split): the `acceptance` summary of the summed TTT stats (every chain
-        alike), and under "served_walk" what a server drafting K = ttt_steps tokens at every step would measure on
-        these replies (`ttt.served_walk`, as `SpecMetrics.as_dict`; `max_tokens`: the budget the replies were
-        generated under, if they were cut by one)."""
+        alike), and under "served_walk" what a server drafting K = num_speculative_tokens (at most ttt_steps) tokens
+        at every step would measure on these replies (`ttt.served_walk`, as `SpecMetrics.as_dict`; `max_tokens`: the
+        budget the replies were generated under, if they were cut by one)."""
         params = self.params if params is None else params
         ids = self.eval_ids if ids is None else ids
         total, plans = None, self._plans(ids)
-        walked = SpecMetrics(self.tc.ttt_steps)
+        k = min(self.tc.num_speculative_tokens, self.tc.ttt_steps)
+        walked = SpecMetrics(k)
         with bar(len(plans), desc="eval", unit="batch", quiet=jax.process_index() != 0) as progress:
             for plan in plans:
                 batch = self._batch(plan)
@@ -286,7 +287,7 @@ class Trainer:
                     by_chain = np.full((n, self.tc.ttt_steps), -1, np.int8)
                     keep = window[b] < n
                     by_chain[window[b][keep]] = hits[b][keep]
-                    served_walk(by_chain, int(self.store.prompt_lens[sample]), n, max_tokens, walked)
+                    served_walk(by_chain[:, :k], int(self.store.prompt_lens[sample]), n, max_tokens, walked)
                 progress.update()
         if total is None:
             raise ValueError("no samples to evaluate")
