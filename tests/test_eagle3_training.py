@@ -490,6 +490,33 @@ def test_shipped_head_is_what_eagle3_without_a_model_drafts_with(target, dataset
         LLM(target, speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
 
 
+def test_heldout_features_replay_the_served_measurement(target, dataset, trained, tmp_path):
+    """`heldout` answers the served prompts greedily and writes their features; `eval`'s walk over them (with the
+    served budget) gives the acceptance serving those prompts with the head measures."""
+    from training.eagle3.ship import SERVED, served_acceptance, served_features, speculating_llm
+
+    samples, _ = dataset
+    tr, head, _, _ = trained
+    prompts = [samples[i]["prompt_token_ids"] for i in range(6)]
+    path = str(tmp_path / "heldout")
+    kw = SERVE_KW | dict(max_model_len=160)  # room for the served budget (128) after each prompt
+    served_features(path, 6, target, prompts=prompts, features_kw=dict(aux_layer_ids=AUX, max_len=160,
+                                                                        len_buckets=(64, 160)), **kw)
+    replies = [json.loads(line) for line in open(os.path.join(path, "replies.jsonl"))]
+    assert [r["prompt_token_ids"] for r in replies] == prompts
+    store = FeatureStore.open(path)
+    walker = Trainer(store, dataclasses.replace(tr.tc, eval_frac=0.0, len_buckets=(64, 160), win_buckets=(64,)),
+                     head=head)
+    walked = walker.evaluate(ids=np.arange(store.num_samples), max_tokens=SERVED["max_tokens"])["served_walk"]
+    llm = speculating_llm(target, head, 3, SERVED["max_num_seqs"], quantization=SERVED["quantization"], **kw)
+    served, got = served_acceptance(llm, prompts, SERVED["max_tokens"])
+    assert got == [r["output_token_ids"] for r in replies]
+    assert served["num_accepted_tokens"] > 0
+    assert {k: served[k] for k in ("num_draft_tokens", "num_accepted_tokens")} == \
+        {k: walked[k] for k in ("num_draft_tokens", "num_accepted_tokens")}
+    assert served["acceptance_rate_per_position"] == pytest.approx(walked["acceptance_rate_per_position"], abs=1e-4)
+
+
 def test_exported_head_names_its_verifier(tmp_path):
     """An exported head names its target as the hub id for the embedded default model (not a site-packages path),
     else as the path it was trained against."""

@@ -58,16 +58,19 @@ def served_acceptance(llm, prompts: list[list[int]], max_tokens: int) -> tuple[d
     return {k: r4(v) for k, v in run.as_dict().items()}, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def served_features(out: str, num_prompts: int, target: str | None = None) -> dict:
+def served_features(out: str, num_prompts: int, target: str | None = None, *,
+                    prompts: list[list[int]] | None = None, features_kw: dict | None = None, **engine_kw) -> dict:
     """The served measurement's prompts (`chat_prompts`, the first `num_prompts`) answered by plain greedy decoding
     under `SERVED`'s settings -> `out`/replies.jsonl and their features in `out` (returns the features' meta).
     `python -m training.eagle3 eval --head H --features OUT --all --max-tokens 128` then walks those replies as the
-    server would (`ttt.served_walk`): `ship`'s served acceptance for any head in seconds, without serving it."""
+    server would (`ttt.served_walk`): `ship`'s served acceptance for any head in seconds, without serving it.
+    `prompts` (token ids) replace the chat prompts; `features_kw` go to `TargetFeatures`, `engine_kw` to the `LLM`."""
     from jaxserve import LLM, SamplingParams
     from training.eagle3.features import TargetFeatures, extract
 
-    llm = LLM(target, max_num_seqs=SERVED["max_num_seqs"], quantization=SERVED["quantization"])
-    prompts = chat_prompts(llm.get_tokenizer(), num_prompts)
+    llm = LLM(target, max_num_seqs=SERVED["max_num_seqs"], quantization=SERVED["quantization"], **engine_kw)
+    if prompts is None:
+        prompts = chat_prompts(llm.get_tokenizer(), num_prompts)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=SERVED["max_tokens"]), use_tqdm=False)
     samples = [dict(index=i, prompt_token_ids=p, output_token_ids=list(o.outputs[0].token_ids), chat=True)
@@ -76,7 +79,7 @@ def served_features(out: str, num_prompts: int, target: str | None = None) -> di
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "replies.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in samples)
-    return extract(samples, TargetFeatures(target), out)
+    return extract(samples, TargetFeatures(target, **(features_kw or {})), out, log_every=0)
 
 
 def speculating_llm(target: str | None, head: str, k: int, max_num_seqs: int, **engine_kw):
