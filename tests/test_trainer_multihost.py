@@ -122,3 +122,4 @@ def test_held_out_evaluation_runs_across_processes(runs):
         got = _eval_line(out)
         np.testing.assert_allclose(got["acc"], single["acc"], rtol=1e-6)
         assert got["tau"] == pytest.approx(single["tau"], rel=1e-6)
+        assert got["served_walk"] == single["served_walk"]

@@ -45,7 +45,7 @@ from jaxserve.loader.gguf import model_id
 from jaxserve.loader.weights import to_weights
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Weights
 from jaxserve.spec_decode.controller import SpecMetrics
-from training.eagle3.batches import BatchPlan, BatchStream, assemble, plan_batches
+from training.eagle3.batches import BatchPlan, BatchStream, assemble, plan_batches, shape_of
 from training.eagle3.checkpoint import CHECKPOINTS, Checkpoints, StopRequests, check_same_run, run_identity
 from training.eagle3.export import export_speculators
 from training.eagle3.features import FeatureStore
@@ -278,16 +278,16 @@ class Trainer:
         walked = SpecMetrics(k)
         with bar(len(plans), desc="eval", unit="batch", quiet=jax.process_index() != 0) as progress:
             for plan in plans:
-                batch = self._batch(plan)
-                s, hits = self._eval_step(params, self.embed, self.vocab, batch)
+                s, hits = self._eval_step(params, self.embed, self.vocab, self._batch(plan))
                 total = s if total is None else jax.tree.map(jnp.add, total, s)
-                hits, window = jax.device_get((hits, batch.window_pos))
+                hits = jax.device_get(hits)  # replicated (the batch itself may be sharded over processes)
                 for b, sample in enumerate(plan.samples):
-                    n = int(self.store.lengths[sample])
+                    n, P = int(self.store.lengths[sample]), int(self.store.prompt_lens[sample])
+                    _, _, r0 = shape_of(n, P, self.tc.ttt_steps, self.tc.len_buckets, self.tc.win_buckets)
+                    window = r0 + np.arange(plan.window)  # the chains of the row's window (batches.assemble)
                     by_chain = np.full((n, self.tc.ttt_steps), -1, np.int8)
-                    keep = window[b] < n
-                    by_chain[window[b][keep]] = hits[b][keep]
-                    served_walk(by_chain[:, :k], int(self.store.prompt_lens[sample]), n, max_tokens, walked)
+                    by_chain[window[window < n]] = hits[b][window < n]
+                    served_walk(by_chain[:, :k], P, n, max_tokens, walked)
                 progress.update()
         if total is None:
             raise ValueError("no samples to evaluate")
