@@ -50,7 +50,7 @@ from training.eagle3.checkpoint import CHECKPOINTS, Checkpoints, StopRequests, c
 from training.eagle3.export import export_speculators
 from training.eagle3.features import FeatureStore
 from training.eagle3.progress import bar, duration, say
-from training.eagle3.ttt import VocabArrays, acceptance, chain_hits, served_walk, ttt_loss
+from training.eagle3.ttt import VocabArrays, acceptance, chain_hits, served_walk, ttt_logits, ttt_loss
 from training.eagle3.vocab import build_vocab, coverage, token_counts
 
 DEFAULT_DRAFT_VOCAB_SIZE = 8192
@@ -151,9 +151,10 @@ def _place(x, where):
     return jax.make_array_from_callback(x.shape, where, lambda idx: x[idx])
 
 
-def _eval_step(loss_fn, hits_fn, params, embed, vocab, batch):
-    """-> (the batch's summed TTT stats, its `chain_hits`); one jit, so XLA computes the draft logits once."""
-    return loss_fn(params, embed, vocab, batch)[1], hits_fn(params, embed, vocab, batch)
+def _eval_step(loss_fn, logits_fn, params, embed, vocab, batch):
+    """-> (the batch's summed TTT stats, its `chain_hits`), both from one computation of the draft logits."""
+    logits = logits_fn(params, embed, batch)
+    return loss_fn(params, embed, vocab, batch, logits=logits)[1], chain_hits(vocab, batch, logits)
 
 
 def _train_step(loss_fn, params, opt_state, embed, vocab, batch, *, tx):
@@ -236,8 +237,8 @@ class Trainer:
             self.params = self._replicate(dataclasses.replace(w, d2t=None))
         loss_fn = functools.partial(ttt_loss, self.cfg, num_steps=tc.ttt_steps, decay=tc.loss_decay,
                                     kind=tc.loss)
-        hits_fn = functools.partial(chain_hits, self.cfg, num_steps=tc.ttt_steps)
-        self._eval_step = jax.jit(functools.partial(_eval_step, loss_fn, hits_fn), **self._out_replicated())
+        logits_fn = functools.partial(ttt_logits, self.cfg, num_steps=tc.ttt_steps)
+        self._eval_step = jax.jit(functools.partial(_eval_step, loss_fn, logits_fn), **self._out_replicated())
         self._train_step_fn = functools.partial(_train_step, loss_fn)
 
     def _replicate(self, tree):

@@ -122,13 +122,12 @@ def _check_step(vocab: VocabArrays, batch: TTTBatch, logits_k: jax.Array, k: int
     return tgt, valid, vocab.draft_ids[argmax(logits_k)] == tgt
 
 
-def chain_hits(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: VocabArrays, batch: TTTBatch, *,
-               num_steps: int) -> jax.Array:
-    """-> i8[B, W, num_steps]: whether chain p = window_pos[b, w]'s greedy draft at step k is the target's choice
-    (1) or not (0), -1 where t_{p+2+k} is not an output token of the sequence. What `served_walk` walks."""
-    logits = ttt_logits(cfg, w, embed, batch, num_steps=num_steps)
+def chain_hits(vocab: VocabArrays, batch: TTTBatch, logits: jax.Array) -> jax.Array:
+    """`ttt_logits` f32[S, B, W, Vd] -> i8[B, W, S]: whether chain p = window_pos[b, w]'s greedy draft at step k is
+    the target's choice (1) or not (0), -1 where t_{p+2+k} is not an output token of the sequence. What
+    `served_walk` walks."""
     hits = []
-    for k in range(num_steps):
+    for k in range(logits.shape[0]):
         _, valid, correct = _check_step(vocab, batch, logits[k], k)
         hits.append(jnp.where(valid, correct.astype(jnp.int8), jnp.int8(-1)))
     return jnp.stack(hits, axis=-1)
@@ -138,7 +137,7 @@ LOSSES = ("kl", "ce")
 
 
 def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: VocabArrays, batch: TTTBatch, *,
-             num_steps: int, decay: float = 0.8, kind: str = "kl"):
+             num_steps: int, decay: float = 0.8, kind: str = "kl", logits: jax.Array | None = None):
     """-> (loss f32[], stats): stats are per-step count vectors f32[num_steps] to sum over batches:
     `loss_sum`/`loss_n` (the masked loss), `valid`/`correct` (top-1 == target argmax), `chain_prev`/`chain_ok`
     (valid positions whose chain was right through step k-1 / through step k).
@@ -148,7 +147,8 @@ def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: Vocab
     verification accepts). Both skip positions whose target choice lies outside the draft vocabulary."""
     if kind not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES} (got {kind!r})")
-    logits = ttt_logits(cfg, w, embed, batch, num_steps=num_steps)  # [S, B, W, Vd]
+    if logits is None:  # (`logits`: this batch's `ttt_logits`, already computed)
+        logits = ttt_logits(cfg, w, embed, batch, num_steps=num_steps)  # [S, B, W, Vd]
     wp = batch.window_pos
     W = wp.shape[1]
     if kind == "kl":  # the target's log-probs over the draft vocabulary at positions wp + 1 .. wp + W + num_steps - 1,
