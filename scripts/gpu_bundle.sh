@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Pack what a lent GPU machine lacks for scripts/bench_gpu.sh (or scripts/train_eagle3_gpu.sh) into .gpu_bundle/a,
 # .gpu_bundle/b, ..., one carry per device call, each under the 64 MiB a call may send with the working tree
-# (docs/gpu.md): as many calls as the tree leaves room for (3 since the shipped EAGLE-3 head, 20 MB, joined the
-# tree). Runs here, with PyPI reachable; the device has no network. Usage:
+# (docs/gpu.md): as many calls as the tree leaves room for (4 since the shipped EAGLE-3 head grew to 29 MB, a
+# 16,384-id draft vocabulary). Runs here, with PyPI reachable; the device has no network. Usage:
 #   scripts/gpu_bundle.sh                            # build the bundle; print its sizes and the device calls
 #   scripts/gpu_bundle.sh split FILE DIR PART_BYTES  # DIR/NAME.part00.. of FILE, sha256s in DIR/MANIFEST.sha256
 #   scripts/gpu_bundle.sh pack SITE DIR MAX_PART     # SITE as DIR/site.tar.xz in equal parts of at most MAX_PART

@@ -9,7 +9,7 @@
 # and the served acceptance on 16 held-out chat prompts). OUT_DIR then holds eagle3_head.tgz.partNN (cat them:
 # a tgz of shipped/, or of head/ as train exported it if ship did not finish), eagle3_head.sha256 and
 # eagle3_logs.tgz (each step's log, the main run's training.json, JAX's devices): at most 5 files.
-# Settings (environment): EPOCHS (8), DRAFT_VOCAB (8192), TTT_STEPS (3), LR (1e-3), BATCH_TOKENS (1024),
+# Settings (environment): EPOCHS (8), DRAFT_VOCAB (16384, the shipped head's), TTT_STEPS (3), LR (1e-3), BATCH_TOKENS (1024),
 # INIT_HEAD (none: a fresh head; a path: start from that exported head, e.g. the shipped one), LIMIT (all samples),
 # NUM_PROMPTS (16, served), TRAIN_SECONDS (200: the main run's budget), DEADLINE (540: seconds from the start by
 # which everything has ended, so one device call of 600 s holds it), WORK (a scratch folder, /tmp/eagle3_gpu).
@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 1 ] || { echo "usage: scripts/train_eagle3_gpu.sh OUT_DIR" >&2; exit 2; }
 OUT=$1
-EPOCHS=${EPOCHS:-8} DRAFT_VOCAB=${DRAFT_VOCAB:-8192} TTT_STEPS=${TTT_STEPS:-3} LR=${LR:-1e-3}
+EPOCHS=${EPOCHS:-8} DRAFT_VOCAB=${DRAFT_VOCAB:-16384} TTT_STEPS=${TTT_STEPS:-3} LR=${LR:-1e-3}
 BATCH_TOKENS=${BATCH_TOKENS:-1024} INIT_HEAD=${INIT_HEAD:-} LIMIT=${LIMIT:-} NUM_PROMPTS=${NUM_PROMPTS:-16}
 TRAIN_SECONDS=${TRAIN_SECONDS:-200} DEADLINE=${DEADLINE:-540} SHIP_SECONDS=${SHIP_SECONDS:-200}
 W=${WORK:-/tmp/eagle3_gpu}

@@ -492,8 +492,9 @@ def test_shipped_head_is_what_eagle3_without_a_model_drafts_with(target, dataset
 
 def test_heldout_features_replay_the_served_measurement(target, dataset, trained, tmp_path):
     """`heldout` answers the served prompts greedily and writes their features; `eval`'s walk over them (with the
-    served budget) gives the acceptance serving those prompts with the head measures."""
-    from training.eagle3.ship import SERVED, served_acceptance, served_features, speculating_llm
+    served budget) gives the acceptance serving those prompts with the head measures, and `ship --heldout` records
+    that walk in the card."""
+    from training.eagle3.ship import SERVED, served_acceptance, served_features, ship, speculating_llm
 
     samples, _ = dataset
     tr, head, _, _ = trained
@@ -515,6 +516,17 @@ def test_heldout_features_replay_the_served_measurement(target, dataset, trained
     assert {k: served[k] for k in ("num_draft_tokens", "num_accepted_tokens")} == \
         {k: walked[k] for k in ("num_draft_tokens", "num_accepted_tokens")}
     assert served["acceptance_rate_per_position"] == pytest.approx(walked["acceptance_rate_per_position"], abs=1e-4)
+
+    # `ship --heldout` records the walk in the card, beside serving the prompts. The shipped head is bfloat16, which
+    # serving multiplies on the bf16 kernel and the walk in float32: a near-tie draft may flip, no more.
+    out = str(tmp_path / "shipped")
+    card = ship(head, out, heldout=path, prompts=prompts, **kw)
+    w, s = card["walked"], card["served"]
+    assert w["num_prompts"] == 6 and w["max_tokens"] == SERVED["max_tokens"] and w["num_speculative_tokens"] == 3
+    for k in ("num_draft_tokens", "num_accepted_tokens"):
+        assert w[k] == pytest.approx(s[k], rel=0.01) and w[k] == pytest.approx(walked[k], rel=0.01)
+    assert w["acceptance_rate_per_position"] == pytest.approx(s["acceptance_rate_per_position"], abs=0.01)
+    assert "walked over more held-out replies" in open(os.path.join(out, "README.md")).read()
 
 
 def test_exported_head_names_its_verifier(tmp_path):

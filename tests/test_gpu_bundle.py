@@ -159,18 +159,20 @@ def test_bundle_parts_fit_a_call_beside_the_working_tree(tmp_path):
 
 
 def test_docs_give_the_calls_the_bundle_prints():
-    """docs/gpu.md shows the device commands gpu_bundle.sh prints for a bundle of three calls (the first also runs
-    the steps that need no bundle, the middle one only stashes its part, the last assembles and runs the rest), each
-    within a call's 2000 characters; fewer than two calls are refused."""
-    out = sh(BUNDLE, "calls", "a", "b", "c", cwd=ROOT)
+    """docs/gpu.md shows the device commands gpu_bundle.sh prints for a bundle of four calls (the first also runs
+    the steps that need no bundle, the middle ones only stash their parts, the last assembles and runs the rest),
+    each within a call's 2000 characters; fewer than two calls are refused."""
+    out = sh(BUNDLE, "calls", "a", "b", "c", "d", cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     calls = lines[1::2]
-    assert [ln.split(":")[0] for ln in lines[0::2]] == ["== device call 1 of 3", "== device call 2 of 3, at once",
-                                                        "== device call 3 of 3, at once"]
+    assert [ln.split(":")[0] for ln in lines[0::2]] == ["== device call 1 of 4", "== device call 2 of 4, at once",
+                                                        "== device call 3 of 4, at once",
+                                                        "== device call 4 of 4, at once"]
     assert ".gpu_bundle/a/" in calls[0] and "kernels attention" in calls[0]
-    assert calls[1].endswith("--partial .gpu_stash") and ".gpu_bundle/b/" in calls[1]
-    assert "gpu_assemble.sh .gpu_stash .gpu_bundle/c &&" in calls[2] and "kv latency" in calls[2]
+    for c, call in zip("bc", calls[1:3]):
+        assert call.endswith("--partial .gpu_stash") and f".gpu_bundle/{c}/" in call
+    assert "gpu_assemble.sh .gpu_stash .gpu_bundle/d &&" in calls[3] and "kv latency" in calls[3]
     docs = (ROOT / "docs" / "gpu.md").read_text().splitlines()
     for call in calls:
         assert len(call) < 2000 and f"    {call}" in docs

@@ -186,10 +186,13 @@ def ship(argv) -> None:
                     help="the shipped directory, e.g. jaxserve/spec_decode/heads/smollm2-135m-instruct-eagle3")
     ap.add_argument("--features", default=None, help="the head's features: adds the held-out split's evaluation")
     ap.add_argument("--model", default=None, help="target (default: the one training.json names)")
+    ap.add_argument("--heldout", default=None,
+                    help="features `heldout` wrote: adds the served walk over their replies (`eval --all`)")
     ap.add_argument("--num-prompts", type=int, default=SERVED["num_prompts"], help="held-out chat prompts served")
     a = ap.parse_args(argv)
-    card = write_shipped(a.head, a.out, features=a.features, target=a.model, served=dict(num_prompts=a.num_prompts))
-    print(json.dumps(dict(served=card["served"], held_out=card.get("held_out"))), flush=True)
+    card = write_shipped(a.head, a.out, features=a.features, target=a.model, heldout=a.heldout,
+                         served=dict(num_prompts=a.num_prompts))
+    print(json.dumps({k: card.get(k) for k in ("served", "walked", "held_out")}), flush=True)
 
 
 def main(argv=None) -> None:

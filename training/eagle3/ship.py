@@ -9,7 +9,9 @@ writes, in `--out`:
   card.json                        the run that trained it (`train`'s training.json), the held-out evaluation of
                                    the bfloat16 weights on the features' held-out split, and `served`: the
                                    acceptance measured by serving held-out chat prompts with the head (what
-                                   `tests/test_shipped_head.py` measures again)
+                                   `tests/test_shipped_head.py` measures again); with `--heldout`, `walked`: the
+                                   served walk over the replies in `heldout`'s features (more prompts than serving
+                                   them in `ship` would take time for: `eval --all --max-tokens`'s numbers)
   README.md                        the same, for people
 
 `served` uses the first `--num-prompts` ShareGPT first turns of `bench`'s sample, rendered with the chat template and
@@ -54,8 +56,13 @@ def served_acceptance(llm, prompts: list[list[int]], max_tokens: int) -> tuple[d
     run.num_drafts = [a - b for a, b in zip(after.num_drafts, before.num_drafts)]
     run.num_accepted = [a - b for a, b in zip(after.num_accepted, before.num_accepted)]
     run.num_steps, run.num_emitted = after.num_steps - before.num_steps, after.num_emitted - before.num_emitted
+    return _rounded(run.as_dict()), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _rounded(metrics: dict) -> dict:
+    """`SpecMetrics.as_dict()` with its rates to 4 decimals, for the card."""
     r4 = lambda v: round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v] if isinstance(v, list) else v  # noqa: E731
-    return {k: r4(v) for k, v in run.as_dict().items()}, [list(o.outputs[0].token_ids) for o in outs]
+    return {k: r4(v) for k, v in metrics.items()}
 
 
 def served_features(out: str, num_prompts: int, target: str | None = None, *,
@@ -91,11 +98,17 @@ def speculating_llm(target: str | None, head: str, k: int, max_num_seqs: int, **
         method="eagle3", model=head, num_speculative_tokens=k, adaptive=False), **engine_kw)
 
 
+def _acceptance_lines(m: dict) -> list[str]:
+    rates = " / ".join(f"{x:.3f}" for x in m["acceptance_rate_per_position"])
+    return [f"- acceptance per draft position: {rates}",
+            f"- mean acceptance length (tokens per verify step): {m['mean_acceptance_length']:.2f}",
+            f"- drafts verified: {m['num_draft_tokens']}, accepted: {m['num_accepted_tokens']}"]
+
+
 def write_card(out: str, card: dict) -> None:
     with open(os.path.join(out, "card.json"), "w") as f:
         json.dump(card, f, indent=1)
     t, s, h = card.get("training") or {}, card["served"], card.get("held_out")
-    rates = " / ".join(f"{x:.3f}" for x in s["acceptance_rate_per_position"])
     lines = [
         f"# EAGLE-3 head for {card['target']}",
         "",
@@ -109,10 +122,14 @@ def write_card(out: str, card: dict) -> None:
         f"{s['num_prompts']} ShareGPT first turns under the chat template (never in the training data), greedy to "
         f"EOS or {s['max_tokens']} tokens, K = {s['num_speculative_tokens']} drafts every step, the target's weights "
         f"as quantization={s['quantization']!r}:",
-        f"- acceptance per draft position: {rates}",
-        f"- mean acceptance length (tokens per verify step): {s['mean_acceptance_length']:.2f}",
-        f"- drafts verified: {s['num_draft_tokens']}, accepted: {s['num_accepted_tokens']}",
+        *_acceptance_lines(s),
     ]
+    if w := card.get("walked"):
+        lines += ["", "## Acceptance walked over more held-out replies (offline)", "",
+                  f"The first {w['num_prompts']} of the same prompts, answered greedily by the target "
+                  f"(`python -m training.eagle3 heldout`), replayed as a server drafting K = "
+                  f"{w['num_speculative_tokens']} tokens every step would serve them (`eval --all --max-tokens "
+                  f"{w['max_tokens']}`; equal to serving them):", *_acceptance_lines(w)]
     if h:
         lines += ["", "## Held-out features (offline)", "",
                   f"The trainer's held-out split ({t.get('eval_samples')} samples): accuracy per draft step "
@@ -144,10 +161,11 @@ def write_card(out: str, card: dict) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def ship(head: str, out: str, *, features: str | None = None, target: str | None = None,
+def ship(head: str, out: str, *, features: str | None = None, target: str | None = None, heldout: str | None = None,
          served: dict | None = None, prompts: list[list[int]] | None = None, **engine_kw) -> dict:
-    """Write the shipped form of `head` to `out` (module docstring); returns the card. `prompts` (token ids) replace
-    the chat prompts of `served`; `engine_kw` go to the serving `LLM`."""
+    """Write the shipped form of `head` to `out` (module docstring); returns the card. `heldout`: a feature directory
+    `served_features` wrote, walked as served; `prompts` (token ids) replace the chat prompts of `served`;
+    `engine_kw` go to the serving `LLM`."""
     from jaxserve.loader import load_checkpoint
     from jaxserve.loader.eagle3 import load_eagle3
     from jaxserve.loader.gguf import model_id
@@ -174,6 +192,16 @@ def ship(head: str, out: str, *, features: str | None = None, target: str | None
             if training else TrainConfig()
         tr = Trainer(FeatureStore.open(features), tc, ck.path, head=out)  # the run's split, windows and TTT steps
         card["held_out"] = tr.evaluate()
+    if heldout:
+        from training.eagle3.features import FeatureStore
+
+        store, k = FeatureStore.open(heldout), served["num_speculative_tokens"]
+        buckets = TrainConfig().len_buckets
+        buckets += (int(store.lengths.max()),) if store.lengths.max() > max(buckets) else ()
+        tr = Trainer(store, TrainConfig(ttt_steps=k, eval_frac=0.0, len_buckets=buckets), ck.path, head=out)
+        walked = tr.evaluate(ids=np.arange(store.num_samples), max_tokens=served["max_tokens"])["served_walk"]
+        card["walked"] = dict(num_prompts=store.num_samples, max_tokens=served["max_tokens"],
+                              num_speculative_tokens=k) | _rounded(walked)
     llm = speculating_llm(ck.path, out, served["num_speculative_tokens"], served["max_num_seqs"],
                           quantization=served["quantization"], **engine_kw)
     if prompts is None:
