@@ -9,10 +9,11 @@
 # and the served acceptance on 16 held-out chat prompts). OUT_DIR then holds eagle3_head.tgz.partNN (cat them:
 # a tgz of shipped/, or of head/ as train exported it if ship did not finish), eagle3_head.sha256 and
 # eagle3_logs.tgz (each step's log, the main run's training.json, JAX's devices): at most 5 files.
-# Settings (environment): EPOCHS (8), DRAFT_VOCAB (16384, the shipped head's), TTT_STEPS (3), LR (1e-3), BATCH_TOKENS (1024),
-# INIT_HEAD (none: a fresh head; a path: start from that exported head, e.g. the shipped one), LIMIT (all samples),
-# NUM_PROMPTS (16, served), TRAIN_SECONDS (200: the main run's budget), DEADLINE (540: seconds from the start by
-# which everything has ended, so one device call of 600 s holds it), WORK (a scratch folder, /tmp/eagle3_gpu).
+# Settings (environment): EPOCHS (8), DRAFT_VOCAB (16384, the shipped head's), TTT_STEPS (3), LR (1e-3),
+# BATCH_TOKENS (1024), INIT_HEAD (none: a fresh head; a path: start from that exported head, e.g. the shipped one),
+# LIMIT (6000: the file's first samples, the run as planned; it holds more since 2026-12-07), NUM_PROMPTS (16,
+# served), TRAIN_SECONDS (200: the main run's budget), DEADLINE (540: seconds from the start by which everything has
+# ended, so one device call of 600 s holds it), WORK (a scratch folder, /tmp/eagle3_gpu).
 # Limits: features 120 s, calibration 90, train its budget (cut to what leaves ship SHIP_SECONDS, 200) x 1.25 + 60
 # for the compiles, ship what is left before DEADLINE (its engine compiles its buckets first). A step that fails or
 # overruns ends the run with what exists.
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/.."
 [ $# -eq 1 ] || { echo "usage: scripts/train_eagle3_gpu.sh OUT_DIR" >&2; exit 2; }
 OUT=$1
 EPOCHS=${EPOCHS:-8} DRAFT_VOCAB=${DRAFT_VOCAB:-16384} TTT_STEPS=${TTT_STEPS:-3} LR=${LR:-1e-3}
-BATCH_TOKENS=${BATCH_TOKENS:-1024} INIT_HEAD=${INIT_HEAD:-} LIMIT=${LIMIT:-} NUM_PROMPTS=${NUM_PROMPTS:-16}
+BATCH_TOKENS=${BATCH_TOKENS:-1024} INIT_HEAD=${INIT_HEAD:-} LIMIT=${LIMIT:-6000} NUM_PROMPTS=${NUM_PROMPTS:-16}
 TRAIN_SECONDS=${TRAIN_SECONDS:-200} DEADLINE=${DEADLINE:-540} SHIP_SECONDS=${SHIP_SECONDS:-200}
 W=${WORK:-/tmp/eagle3_gpu}
 PY=${PYTHON:-}
