@@ -196,9 +196,7 @@ def ship(head: str, out: str, *, features: str | None = None, target: str | None
         from training.eagle3.features import FeatureStore
 
         store, k = FeatureStore.open(heldout), served["num_speculative_tokens"]
-        buckets = TrainConfig().len_buckets
-        buckets += (int(store.lengths.max()),) if store.lengths.max() > max(buckets) else ()
-        tr = Trainer(store, TrainConfig(ttt_steps=k, eval_frac=0.0, len_buckets=buckets), ck.path, head=out)
+        tr = Trainer(store, TrainConfig(ttt_steps=k, eval_frac=0.0), ck.path, head=out)
         walked = tr.evaluate(ids=np.arange(store.num_samples), max_tokens=served["max_tokens"])["served_walk"]
         card["walked"] = dict(num_prompts=store.num_samples, max_tokens=served["max_tokens"],
                               num_speculative_tokens=k) | _rounded(walked)
