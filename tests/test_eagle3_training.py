@@ -413,6 +413,34 @@ def test_training_can_start_from_an_exported_head(dataset, trained, tmp_path):
     assert f"- on top of a head trained {first['steps']} steps" in readme and "in all" in readme
 
 
+def test_eval_judges_a_head_on_its_own_runs_split(dataset, trained, tmp_path, capsys):
+    """`eval` without --eval-frac / --seed holds out the samples the head's run held out (its training.json): a run
+    with another seed draws another split, and judging it on the default one would count samples it trained on."""
+    from training.eagle3.__main__ import main
+
+    samples, store = dataset
+    tr, head, before, log = trained
+    other = tmp_path / "head"
+    shutil.copytree(head, other)
+    record = json.loads((other / TRAINING_RECORD).read_text())
+    assert record["config"]["eval_frac"] == 0.2 and record["config"]["seed"] == 0
+    record["config"]["seed"] = 7
+    (other / TRAINING_RECORD).write_text(json.dumps(record))
+    assert set(_trainer(store, seed=7).eval_ids) != set(tr.eval_ids)
+
+    def printed(argv):
+        main(["eval", "--head", str(other), "--features", store.path, "--ttt-steps", "3", *argv])
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[eval] held-out "))
+        return json.loads(line.removeprefix("[eval] held-out "))
+
+    def split(seed):
+        judge = Trainer(store, TrainConfig(ttt_steps=3, eval_frac=0.2, seed=seed), head=str(other))
+        return json.loads(json.dumps(judge.evaluate()))
+
+    assert printed([]) == split(7)
+    assert printed(["--seed", "0"]) == split(0) != split(7)
+
+
 def test_training_can_grow_an_exported_heads_vocabulary(target, dataset, trained):
     """`train --init-head HEAD --draft-vocab-size N` with N above the head's size: the head's ids keep their trained
     rows, the added ids are the most frequent training outputs the head lacked, each starting from the target's

@@ -144,13 +144,16 @@ def train(argv) -> None:
 
 def evaluate(argv) -> None:
     from training.eagle3.features import FeatureStore
-    from training.eagle3.train import TrainConfig, Trainer
+    from training.eagle3.train import TrainConfig, Trainer, training_record
 
     ap = argparse.ArgumentParser(prog="python -m training.eagle3 eval")
     ap.add_argument("--head", required=True, help="exported speculators directory")
     ap.add_argument("--features", required=True)
     ap.add_argument("--ttt-steps", type=int, default=TrainConfig().ttt_steps)
-    ap.add_argument("--eval-frac", type=float, default=TrainConfig().eval_frac, help="the split train used")
+    ap.add_argument("--eval-frac", type=float, default=None,
+                    help="the split train used (default: the head's training.json says, else 0.05)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the seed train used: with --eval-frac, it draws the split (default: as --eval-frac)")
     ap.add_argument("--all", action="store_true", help="every sample, not just the held-out split")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="the budget the replies were generated under, for the served walk (`heldout`: 128)")
@@ -158,7 +161,12 @@ def evaluate(argv) -> None:
     a = ap.parse_args(argv)
     _init_processes(a)
     store = FeatureStore.open(a.features)
-    tr = Trainer(store, TrainConfig(ttt_steps=a.ttt_steps, eval_frac=a.eval_frac), head=a.head, mesh=a.mesh)
+    # the held-out split is drawn from the run's seed: a head trained with --seed 2 is judged on its own split
+    run = training_record(a.head).get("config", {})
+    d = TrainConfig()
+    eval_frac = a.eval_frac if a.eval_frac is not None else run.get("eval_frac", d.eval_frac)
+    seed = a.seed if a.seed is not None else run.get("seed", d.seed)
+    tr = Trainer(store, TrainConfig(ttt_steps=a.ttt_steps, eval_frac=eval_frac, seed=seed), head=a.head, mesh=a.mesh)
     ids = np.arange(store.num_samples) if a.all else tr.eval_ids
     _print_acceptance(tr.evaluate(ids=ids, max_tokens=a.max_tokens), len(ids))
 
