@@ -134,8 +134,9 @@ def test_wrong_chain_mask_is_caught(target, monkeypatch):
 
 @pytest.mark.parametrize("kind", ttt.LOSSES)
 def test_ttt_loss_against_numpy(target, kind):
-    """Both losses, step-decayed means over the valid positions whose target choice is in the draft vocabulary: "kl"
-    = KL(target || head) over the draft vocabulary, "ce" = -log head(target's choice)."""
+    """Each loss, step-decayed means over the valid positions whose target choice is in the draft vocabulary: "kl"
+    = KL(target || head) over the draft vocabulary, "ce" = -log head(target's choice); "kl_all" over every valid
+    position."""
     cfg, w, embed, feats, tokens, batch = _ttt_setup(target, seed=3)
     rng = np.random.default_rng(7)
     S, (B, T), Vd, decay = 3, tokens.shape, cfg.draft_vocab_size, 0.8
@@ -166,10 +167,12 @@ def test_ttt_loss_against_numpy(target, kind):
         for b in range(B):
             for wi, p in enumerate(wp[b]):
                 tgt = argmax_[b, min(p + 1 + k, T - 1)]
-                if not (p + 2 + k < lengths[b] and is_output[b, min(p + 2 + k, T - 1)] and t2d[tgt]):
+                if not (p + 2 + k < lengths[b] and is_output[b, min(p + 2 + k, T - 1)]):
+                    continue
+                if kind != "kl_all" and not t2d[tgt]:
                     continue
                 logq = log_softmax(logits[k, b, wi])
-                if kind == "kl":
+                if kind != "ce":
                     logp = log_softmax(hidden[b, min(p + 1 + k, T - 1)].astype(np.float64) @ head)
                     terms.append(np.sum(np.exp(logp) * (logp - logq)))
                 else:

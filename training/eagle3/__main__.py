@@ -111,7 +111,8 @@ def train(argv) -> None:
     ap.add_argument("--ttt-steps", type=int, default=d.ttt_steps)
     ap.add_argument("--loss", choices=LOSSES, default=d.loss,
                     help="kl: forward KL to the target's distribution over the draft vocabulary; ce: cross-entropy "
-                         "of the target's greedy choice")
+                         "of the target's greedy choice (both skip positions whose greedy choice is outside the draft "
+                         "vocabulary); kl_all: kl at those positions too")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help=f"target ids the head can draft (default {DEFAULT_DRAFT_VOCAB_SIZE}; with --init-head, the "
                          "head's own: a larger size grows it by the most frequent other ids)")

@@ -65,7 +65,7 @@ class TrainConfig:
     batch_tokens: int = 1024
     ttt_steps: int = 4
     loss_decay: float = 0.8
-    loss: str = "kl"  # ttt.LOSSES: "kl" (the target's distribution) or "ce" (its greedy choice)
+    loss: str = "kl"  # ttt.LOSSES: "kl" (the target's distribution), "ce" (its greedy choice), "kl_all" (kl unmasked)
     draft_vocab_size: int | None = None  # None: DEFAULT_DRAFT_VOCAB_SIZE for a fresh head, a starting head's own
     weight_decay: float = 0.01
     clip_norm: float = 0.5

@@ -16,8 +16,8 @@ Loss at step k, chain p: forward KL(p || q) = sum_v p(v) (log p(v) - log q(v)) o
 cross-entropy minus the target's entropy: the same gradient, and 0 for a perfect head), p = softmax
 of the target's logits at position p + 1 + k (the position that predicts t_{p+2+k}) restricted to the draft ids,
 q = the draft's distribution; masked by: t_{p+2+k} is an output token inside the sequence, and the target's argmax
-lies in the draft vocabulary. Steps are weighted `decay ** k`. Accuracy counts the same positions without the
-vocabulary condition (a target token outside the draft vocabulary is a miss, as it is at inference).
+lies in the draft vocabulary (not for "kl_all"). Steps are weighted `decay ** k`. Accuracy counts the same positions
+without the vocabulary condition (a target token outside the draft vocabulary is a miss, as it is at inference).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def chain_hits(vocab: VocabArrays, batch: TTTBatch, logits: jax.Array) -> jax.Ar
     return jnp.stack(hits, axis=-1)
 
 
-LOSSES = ("kl", "ce")
+LOSSES = ("kl", "ce", "kl_all")
 
 
 def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: VocabArrays, batch: TTTBatch, *,
@@ -144,14 +144,16 @@ def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: Vocab
 
     `kind`: "kl", forward KL from the target's distribution over the draft vocabulary to the head's (every
     probability counts); "ce", cross-entropy of the target's greedy choice (only the top-1 counts, what greedy
-    verification accepts). Both skip positions whose target choice lies outside the draft vocabulary."""
+    verification accepts). Both skip positions whose target choice lies outside the draft vocabulary (the head
+    cannot draft it); "kl_all" is "kl" without that mask: there it learns the target's distribution over the draft
+    ids all the same (its runners-up)."""
     if kind not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES} (got {kind!r})")
     if logits is None:  # (`logits`: this batch's `ttt_logits`, already computed)
         logits = ttt_logits(cfg, w, embed, batch, num_steps=num_steps)  # [S, B, W, Vd]
     wp = batch.window_pos
     W = wp.shape[1]
-    if kind == "kl":  # the target's log-probs over the draft vocabulary at positions wp + 1 .. wp + W + num_steps - 1,
+    if kind != "ce":  # the target's log-probs over the draft vocabulary at positions wp + 1 .. wp + W + num_steps - 1,
         # computed once: chain p at step k reads position p + 1 + k, i.e. column w + k
         ext = wp[:, :1] + 1 + jnp.arange(W + num_steps - 1, dtype=jnp.int32)[None]  # [B, W + S - 1]
         th = _take(batch.target_hidden, ext).astype(jnp.float32)
@@ -161,9 +163,9 @@ def ttt_loss(cfg: Eagle3Config, w: Eagle3Weights, embed: jax.Array, vocab: Vocab
     stats = {n: [] for n in ("loss_sum", "loss_n", "valid", "correct", "chain_prev", "chain_ok")}
     for k in range(num_steps):
         tgt, valid, correct = _check_step(vocab, batch, logits[k], k)
-        mask = valid & vocab.t2d[tgt]
+        mask = valid if kind == "kl_all" else valid & vocab.t2d[tgt]
         logq = jax.nn.log_softmax(logits[k], axis=-1)  # [B, W, Vd]
-        if kind == "kl":
+        if kind != "ce":
             logp = target_logp[:, k : k + W]
             ce = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)  # [B, W]  KL(p||q)
         else:  # the draft index of the target's choice (any index where it is outside: those are masked)
