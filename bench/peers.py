@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -185,16 +186,16 @@ def gguf_variant(name: str) -> tuple[str | None, str]:
 def gguf_census(path: str) -> dict:
     """What a GGUF holds: {"types": {block type: number of 2-D tensors}, "matrix_bytes": bytes of its 2-D tensors
     (the linear maps and the embedding, scales included), "matrix_params": their element count}."""
-    from gguf import GGUFReader
+    from jaxserve.loader.gguf import read_gguf_header
 
     types: dict[str, int] = {}
     nbytes = params = 0
-    for t in GGUFReader(path).tensors:
-        if len(t.shape) != 2:
+    for t in read_gguf_header(path)[1].values():
+        if len(t.dims) != 2:
             continue
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-        nbytes += int(t.n_bytes)
-        params += int(t.n_elements)
+        nbytes += t.nbytes
+        params += math.prod(t.dims)
     return dict(types=types, matrix_bytes=nbytes, matrix_params=params)
 
 

@@ -223,6 +223,79 @@ def test_linear_rope_scaling(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# the header parser against the gguf package's reader
+
+
+def _reader_view(path):
+    """(metadata, tensors) as the `gguf` package's GGUFReader reads them, in `read_gguf_header`'s terms."""
+    r = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    tensors = {t.name: (t.tensor_type, tuple(t.shape.tolist()), t.data_offset, t.data.dtype, t.data.shape)
+               for t in r.tensors}
+    return meta, tensors
+
+
+def _header_view(path):
+    from jaxserve.loader.gguf import read_gguf_header
+
+    meta, tensors = read_gguf_header(str(path))
+    return meta, {n: (t.tensor_type, t.dims, t.data_offset, t.raw_dtype, t.raw_shape) for n, t in tensors.items()}
+
+
+def test_header_equals_the_gguf_packages_reader_on_the_default_model():
+    assert _header_view(default_model_path()) == _reader_view(default_model_path())
+
+
+@pytest.mark.parametrize("endianess", ["little", "big"])
+def test_header_equals_the_gguf_packages_reader_on_every_value_type(tmp_path, endianess):
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG if endianess == "big" else
+                        gguf.GGUFEndian.LITTLE)
+    values = dict(u8=("uint8", 200), i8=("int8", -100), u16=("uint16", 60000), i16=("int16", -30000),
+                  u32=("uint32", 4_000_000_000), i32=("int32", -2_000_000_000), f32=("float32", 0.1),
+                  u64=("uint64", 2**63 + 5), i64=("int64", -(2**62)), f64=("float64", 1e-300), bool=("bool", True),
+                  str=("string", "héllo \u00e9 \U0001f600"), empty=("string", ""),
+                  strs=("array", ["a", "", "ünïcode", "x" * 300]), ints=("array", [1, -2, 3]),
+                  floats=("array", [0.5, -1.25]), bools=("array", [True, False]))
+    for key, (kind, value) in values.items():
+        getattr(w, f"add_{kind}")(f"t.{key}", value)
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((7,)).astype(np.float16))
+    w.add_tensor("i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+    if endianess == "little":  # block formats: the writer takes the bytes as already quantized (little-endian only)
+        q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+        w.add_tensor("q4_1", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta, tensors = _header_view(path)
+    assert (meta, tensors) == _reader_view(path)
+    assert meta["t.u64"] == 2**63 + 5 and meta["t.strs"][2] == "ünïcode" and meta["t.bools"] == [True, False]
+
+
+def test_header_errors_name_what_is_wrong(tmp_path):
+    from jaxserve.loader.gguf import read_gguf_header
+
+    ref = _hf_tensors("llama", np.random.default_rng(6))
+    whole = open(write_tiny_gguf(tmp_path / "m.gguf", "llama", ref), "rb").read()
+    cases = {
+        "magic": (b"GGUX" + whole[4:], "bad magic"),
+        "version": (whole[:4] + (7).to_bytes(4, "little") + whole[8:], "version 7"),
+        "header cut": (whole[:300], "unpack|past the end"),
+        "tensor data cut": (whole[:-4], "runs past the end of the file"),
+    }
+    for name, (data, match) in cases.items():
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(data)
+        with pytest.raises(Exception, match=match):
+            read_gguf_header(str(bad))
+        with pytest.raises(ValueError, match=rf"{name}\.gguf: not a valid GGUF file"):
+            read_gguf(str(bad))
+
+
+# --------------------------------------------------------------------------------------------------
 # errors
 
 

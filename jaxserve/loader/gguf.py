@@ -128,29 +128,138 @@ def _read_header(path) -> tuple[str, dict, dict, ModelConfig]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    reader = _open(path)
-    meta = {name: field for name, field in reader.fields.items()}
+    try:
+        meta, tensors = read_gguf_header(path)
+    except Exception as e:  # bad magic, truncated file, unknown tensor type id, ...
+        raise ValueError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
     arch = _get(meta, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    tensors = {t.name: t for t in reader.tensors}
     return path, meta, tensors, _model_config(path, arch, meta, tensors)
 
 
-def _open(path: str):
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor's entry in a GGUF header: where its bytes are and how to view them (no data read)."""
+
+    name: str
+    dims: tuple[int, ...]  # GGUF order: innermost first
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data_offset: int  # from the start of the file
+    raw_dtype: np.dtype  # the stored items: the float / int type itself, or uint8 bytes for block formats
+    raw_shape: tuple[int, ...]  # numpy order; for block formats the last dim counts bytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """numpy / torch order (outermost first)."""
+        return tuple(reversed(self.dims))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.raw_shape, dtype=np.int64)) * self.raw_dtype.itemsize
+
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_header(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """(metadata key -> value, tensor name -> `GGUFTensor`) from a GGUF v2/v3 header. Values are Python scalars,
+    strings, or lists for arrays. Reads only the header's pages; every tensor is checked to lie inside the file.
+
+    The `gguf` package's reader builds a numpy view per value, ~4 s for a 49K-token vocabulary's strings and merges;
+    this walks the same bytes with `struct` in ~0.1 s (tests/test_gguf.py checks it against that reader)."""
+    import mmap
+    import struct
+
     import gguf
 
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # bad magic, truncated file, unknown tensor type id, ...
-        raise ValueError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != _GGUF_MAGIC:
+            raise ValueError(f"bad magic {bytes(buf[:4])!r}")
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a byte-swapped version reads 0
+        (version,) = struct.unpack_from(order + "I", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+        n_tensors, n_kv = struct.unpack_from(order + "QQ", buf, 8)
+        pos = 24
+
+        def unpack(fmt: str):
+            nonlocal pos
+            values = struct.unpack_from(order + fmt, buf, pos)
+            pos += struct.calcsize(order + fmt)
+            return values if len(values) > 1 else values[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = unpack("Q")
+            if pos + n > len(buf):
+                raise ValueError(f"a string of {n} bytes runs past the end of the file at offset {pos}")
+            pos += n
+            return buf[pos - n:pos].decode("utf-8")
+
+        def value(kind: int):
+            nonlocal pos
+            if kind == _GGUF_STRING:
+                return string()
+            if kind == _GGUF_ARRAY:
+                item, n = unpack("I"), unpack("Q")
+                if item == _GGUF_STRING:
+                    return [string() for _ in range(n)]
+                if item not in _GGUF_SCALARS:
+                    raise ValueError(f"array of value type {item} at offset {pos}")
+                dtype = np.dtype(order + _GGUF_SCALARS[item])
+                if pos + n * dtype.itemsize > len(buf):
+                    raise ValueError(f"an array of {n} values runs past the end of the file at offset {pos}")
+                out = np.frombuffer(buf, dtype, n, pos).tolist()
+                pos += n * dtype.itemsize
+                return out
+            if kind not in _GGUF_SCALARS:
+                raise ValueError(f"value type {kind} at offset {pos}")
+            return unpack(_GGUF_SCALARS[kind])
+
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(unpack("I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = tuple(unpack("Q") for _ in range(unpack("I")))
+            infos.append((name, dims, gguf.GGMLQuantizationType(unpack("I")), unpack("Q")))
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
+        data_start = -(-pos // alignment) * alignment
+        size = len(buf)
+
+    typed = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
+    tensors = {}
+    for name, dims, kind, offset in infos:
+        if name in tensors:
+            raise ValueError(f"tensor {name!r} is listed twice")
+        shape = tuple(reversed(dims))
+        if kind.name in typed:
+            raw_dtype, raw_shape = np.dtype(order + typed[kind.name]), shape
+        else:
+            block, type_size = gguf.GGML_QUANT_SIZES[kind]
+            if not shape or shape[-1] % block:
+                raise ValueError(f"tensor {name!r}: {kind.name} needs rows of whole {block}-value blocks, got {dims}")
+            raw_dtype, raw_shape = np.dtype(np.uint8), (*shape[:-1], shape[-1] // block * type_size)
+        t = GGUFTensor(name, dims, kind, data_start + offset, raw_dtype, raw_shape)
+        if t.data_offset + t.nbytes > size:
+            raise ValueError(f"tensor {name!r} ({t.nbytes} bytes at offset {t.data_offset}) runs past the end of "
+                             f"the file ({size} bytes)")
+        tensors[name] = t
+    return meta, tensors
 
 
 def _get(meta: dict, key: str, default: Any = None) -> Any:
-    field = meta.get(key)
-    return default if field is None else field.contents()
+    value = meta.get(key)
+    return default if value is None else value
 
 
 def _model_config(path: str, arch: str, meta: dict, tensors: dict) -> ModelConfig:
@@ -174,10 +283,10 @@ def _model_config(path: str, arch: str, meta: dict, tensors: dict) -> ModelConfi
 
     vocab_size = _get(meta, f"{arch}.vocab_size")
     if vocab_size is None:
-        tokens_field = meta.get("tokenizer.ggml.tokens")
-        vocab_size = len(tokens_field.data) if tokens_field is not None else None
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab_size = len(tokens) if tokens is not None else None
     if vocab_size is None and "token_embd.weight" in tensors:
-        vocab_size = int(tensors["token_embd.weight"].shape[-1])
+        vocab_size = int(tensors["token_embd.weight"].shape[0])
 
     bos = _get(meta, "tokenizer.ggml.bos_token_id")
     eos_ids = []
@@ -269,8 +378,7 @@ def _load_tensors(path: str, config: ModelConfig, tensors: dict, keep_blocks: bo
         hf = _hf_name(name)
         if hf is None or hf not in expected:
             raise ValueError(f"{path}: unexpected tensor {name!r} for this {config.architecture} config")
-        # GGUF lists dims innermost-first; numpy/torch order is the reverse.
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = t.shape
         if shape != expected[hf]:
             raise ValueError(f"{path}: tensor {name!r} has shape {shape}, config implies {expected[hf]} ({hf})")
         by_hf[hf] = t
@@ -288,8 +396,7 @@ def _load_tensors(path: str, config: ModelConfig, tensors: dict, keep_blocks: bo
         n_head = None  # llama.cpp's converter interleaved the rows of llama's q / k: undone on read
         if config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             n_head = config.num_heads if ".q_proj." in hf else config.num_kv_heads
-        # the bytes are read from the file, not through the reader's memory map (whose pages would stay resident)
-        raw = functools.partial(read_file_array, path, t.data_offset, t.data.dtype, t.data.shape)
+        raw = functools.partial(read_file_array, path, t.data_offset, t.raw_dtype, t.raw_shape)
         block = keep_blocks and t.tensor_type.name in quant.GGUF_BLOCKS and len(shape) == 2
         read = functools.partial(_read_tensor, path, t.name, t.tensor_type, raw, shape, n_head, block)
         entries[hf] = TensorEntry(shape, read, quant.BlockForm.of_gguf(t.tensor_type.name) if block else None)
