@@ -18,6 +18,7 @@ import pytest
 
 from jaxserve import distributed
 from jaxserve.batch import Bucket
+from multidevice import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,8 +84,7 @@ def reports(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("multihost"))
     tiny_models.VARIANTS["llama_h8"] = dict(arch="llama", num_attention_heads=8, num_key_value_heads=8, head_dim=8)
     tiny_models.make_tiny_model("llama_h8", os.path.join(tmp, "llama_h8"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4 "
-               "--xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4))
     for k in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
         env.pop(k, None)
     coordinator = f"127.0.0.1:{_free_port()}"
@@ -199,7 +199,7 @@ def test_jaxserve_serve_across_two_processes(tmp_path):
                            precompile=False)).generate([{"prompt_token_ids": prompt}],
                                                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                                       logprobs=1), use_tqdm=False)[0].outputs[0]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS=xla_flags())
     for k in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
         env.pop(k, None)
     coordinator = f"127.0.0.1:{_free_port()}"

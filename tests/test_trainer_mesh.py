@@ -23,6 +23,8 @@ import sys
 import numpy as np
 import pytest
 
+from multidevice import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""
@@ -141,9 +143,8 @@ print(json.dumps(report))
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    # LLVM at -O0: the four train-step compiles take half the time, and both sides of each comparison share it
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+    # fast compiles (multidevice.FAST_COMPILE): both sides of each comparison share them
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
     tmp = str(tmp_path_factory.mktemp("trainer_mesh"))
     done = subprocess.run([sys.executable, "-c", _SCRIPT, ROOT, tmp], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxserve import distributed
+from multidevice import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,8 +49,7 @@ def _free_port() -> int:
 
 
 def _train(tmp, out, extra, devices, process_id=None):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-               "--xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
     for k in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
         env.pop(k, None)
     log = open(os.path.join(tmp, f"{os.path.basename(out)}{'' if process_id is None else process_id}.log"), "w+")
