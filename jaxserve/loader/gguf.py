@@ -187,11 +187,11 @@ def read_gguf_header(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         n_tensors, n_kv = struct.unpack_from(order + "QQ", buf, 8)
         pos = 24
 
-        def unpack(fmt: str):
+        def unpack(fmt: str):  # one value
             nonlocal pos
-            values = struct.unpack_from(order + fmt, buf, pos)
+            (v,) = struct.unpack_from(order + fmt, buf, pos)
             pos += struct.calcsize(order + fmt)
-            return values if len(values) > 1 else values[0]
+            return v
 
         def string() -> str:
             nonlocal pos
