@@ -58,10 +58,13 @@ CASES = [(fmt, K, G, z) for fmt in ("int8", "int4") for K, G in ((128, 32), (128
                                                                                ("bf16", 7, 0, False)]
 
 
+_activations = jax.jit(native.activations, static_argnums=1)  # one compile per shape, not one per op
+
+
 def _reference(x: np.ndarray, fmt: str, w: np.ndarray) -> np.ndarray:
     """float64 product of what the kernel multiplies: x rounded to bf16 (bf16), or quantized per block (int8, int4),
-    times the dequantized weight."""
-    return np.asarray(native.activations(jnp.asarray(x), fmt)).astype(np.float64) @ w.astype(np.float64)
+    times the dequantized weight. Row by row: rows [:M] of the reference for x are the reference for x[:M]."""
+    return np.asarray(_activations(jnp.asarray(x), fmt)).astype(np.float64) @ w.astype(np.float64)
 
 
 @pytest.mark.parametrize("fmt,K,G,zeros", CASES)
@@ -73,11 +76,11 @@ def test_matches_float64(fmt, K, G, zeros):
     packed, w = _weight(fmt, K, 70, G or K, zeros)
     f = jax.jit(native.matmul)
     x_all = np.random.default_rng(1).standard_normal((40, K)).astype(np.float32)
+    ref = _reference(x_all, fmt, w)
     for M in range(1, 41):
-        x = x_all[:M]
-        out = np.asarray(f(jnp.asarray(x), packed))
+        out = np.asarray(f(jnp.asarray(x_all[:M]), packed))
         assert out.shape == (M, 70) and out.dtype == np.float32
-        np.testing.assert_allclose(out, _reference(x, fmt, w), rtol=1e-5, atol=2e-6 * np.sqrt(K), err_msg=f"M={M}")
+        np.testing.assert_allclose(out, ref[:M], rtol=1e-5, atol=2e-6 * np.sqrt(K), err_msg=f"M={M}")
 
 
 def _quantize_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -232,7 +235,7 @@ def test_chains_of_decode_products_from_concurrent_callers(fmt):
         ref = x.astype(np.float64)
         for packed, w in weights:
             x = np.asarray(step(jnp.asarray(x), packed))
-            ref = np.tanh((np.asarray(native.activations(jnp.asarray(ref.astype(np.float32)), fmt)).astype(np.float64)
+            ref = np.tanh((np.asarray(_activations(jnp.asarray(ref.astype(np.float32)), fmt)).astype(np.float64)
                            if fmt != "f32" else ref) @ w.astype(np.float64))
         return x, ref
 
@@ -387,11 +390,12 @@ def test_f16_scales_are_bit_identical_to_f32_scales(fmt, K, G, zeros):
     np.testing.assert_array_equal(np.asarray(f32.unpack()), w)
     f = jax.jit(native.matmul)
     x_all = np.random.default_rng(17).standard_normal((20, K)).astype(np.float32)
+    ref = _reference(x_all, fmt, w)
     for M in (1, 2, 7, 20):
         x = jnp.asarray(x_all[:M])
         out = np.asarray(f(x, f16))
         np.testing.assert_array_equal(out, np.asarray(f(x, f32)), err_msg=f"M={M}")
-        np.testing.assert_allclose(out, _reference(x_all[:M], fmt, w), rtol=1e-5, atol=2e-6 * np.sqrt(K))
+        np.testing.assert_allclose(out, ref[:M], rtol=1e-5, atol=2e-6 * np.sqrt(K))
 
 
 def test_validation():
