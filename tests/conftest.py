@@ -16,28 +16,36 @@ import pytest  # noqa: E402
 # A donated buffer XLA cannot reuse means the KV cache was silently copied: fail loudly.
 warnings.filterwarnings("error", message="Some donated buffers were not usable")
 
-# The slowest test files (seconds on 2 cores, measured 2026-12-03), run first: scripts/test.sh gives whole files to
-# 2 workers (pytest-xdist --dist loadfile) in collection order, so starting the long ones early keeps one worker from
-# finishing alone with a long file at the end. Within a file the order is unchanged.
+# The slowest test files (seconds on 2 cores from a fresh clone, measured 2026-12-07), run first, longest first:
+# scripts/test.sh gives whole files to 2 workers (pytest-xdist --dist loadfile) in collection order, so starting the
+# long ones early keeps one worker from finishing alone with a long file at the end. Within a file the order is
+# unchanged.
 SLOW_FILES_FIRST = (
-    "test_kv_quant.py",  # 205
-    "test_weight_quant_engine.py",  # 180
-    "test_tensor_parallel.py",  # 165
+    "test_weight_quant_engine.py",  # 360
+    "test_eagle3.py",  # 305
+    "test_smollm2.py",  # 255
+    "test_spec_decode.py",  # 245
+    "test_cpu_attention_kernel.py",  # 215
+    "test_eagle3_training.py",  # 215
+    "test_shipped_head.py",  # 205
+    "test_cpu_matmul_quant.py",  # ~200
+    "test_tensor_parallel.py",  # 190
+    "test_engine.py",  # 190
+    "test_kv_quant.py",  # 185
+    "test_rpa_kernel.py",  # 150
+    "test_model_parity.py",  # 145
+    "test_async_scheduling.py",  # 135
     "test_rpa_compile_sm90.py",  # 130
-    "test_pipeline_parallel.py",  # 90
-    "test_data_parallel.py",  # 75
-    "test_multihost.py",  # 60
-    "test_smollm2.py",  # 60
-    "test_soak.py",  # 50
-    "test_eagle3.py",  # 50
-    "test_spec_decode.py",  # 50
-    "test_engine.py",  # 45
-    "test_weight_quant.py",  # 45
-    "test_trainer_multihost.py",  # 40
-    "test_trainer_mesh.py",  # 50
-    "test_eagle3_training.py",  # 45
-    "test_gguf.py",  # 40
-    "test_bench_collectives.py",  # 40
+    "test_step_compile_sm90.py",  # 80
+    "test_pipeline_parallel.py",  # 70
+    "test_weight_quant.py",  # 65
+    "test_spec_verify_kernel.py",  # 65
+    "test_soak.py",  # 60
+    "test_multihost.py",  # 55
+    "test_data_parallel.py",  # 50
+    "test_gguf.py",  # 50
+    "test_bench_collectives.py",  # 45
+    "test_trainer_mesh.py",  # 40
 )
 
 
