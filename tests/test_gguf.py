@@ -279,7 +279,8 @@ def test_header_errors_name_what_is_wrong(tmp_path):
     from jaxserve.loader.gguf import read_gguf_header
 
     ref = _hf_tensors("llama", np.random.default_rng(6))
-    whole = open(write_tiny_gguf(tmp_path / "m.gguf", "llama", ref), "rb").read()
+    write_tiny_gguf(tmp_path / "m.gguf", "llama", ref)
+    whole = (tmp_path / "m.gguf").read_bytes()
     cases = {
         "magic": (b"GGUX" + whole[4:], "bad magic"),
         "version": (whole[:4] + (7).to_bytes(4, "little") + whole[8:], "version 7"),

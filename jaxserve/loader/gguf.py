@@ -2,8 +2,9 @@
 
     config, params, tok = read_gguf(default_model_path())
 
-`params` reads each tensor from the file when it is asked for (`loader.tensors.LazyTensors`). Weights are
-dequantized with the `gguf` package (numpy) into float32 arrays shaped like the HF/torch checkpoint (`[out, in]` for
+The header (metadata and tensor table) is parsed here (`read_gguf_header`); `params` reads each tensor from the file
+when it is asked for (`loader.tensors.LazyTensors`). Weights are kept as their blocks or dequantized with the `gguf`
+package (numpy) into float32 arrays shaped like the HF/torch checkpoint (`[out, in]` for
 linear layers). For arch `llama`, llama.cpp's converter interleaves the rows
 of q/k so that RoPE pairs are adjacent; that permutation is undone here so the weights match HF's
 rotate-half RoPE. The tokenizer is rebuilt from metadata for byte-level BPE (`tokenizer.ggml.model ==
