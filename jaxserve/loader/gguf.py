@@ -165,6 +165,7 @@ class GGUFTensor:
 _GGUF_MAGIC = b"GGUF"
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_TYPED = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}  # numpy items
 
 
 def read_gguf_header(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
@@ -237,14 +238,13 @@ def read_gguf_header(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         data_start = -(-pos // alignment) * alignment
         size = len(buf)
 
-    typed = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
     tensors = {}
     for name, dims, kind, offset in infos:
         if name in tensors:
             raise ValueError(f"tensor {name!r} is listed twice")
         shape = tuple(reversed(dims))
-        if kind.name in typed:
-            raw_dtype, raw_shape = np.dtype(order + typed[kind.name]), shape
+        if kind.name in _GGUF_TYPED:
+            raw_dtype, raw_shape = np.dtype(order + _GGUF_TYPED[kind.name]), shape
         else:
             block, type_size = gguf.GGML_QUANT_SIZES[kind]
             if not shape or shape[-1] % block:
