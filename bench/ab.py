@@ -1,5 +1,5 @@
 """Same-run A/B of the engine's speed: this checkout against a baseline checkout (another git worktree), on the
-default model, single stream and batch 16.
+default model, single stream and batch 16 (greedy unless `--sampling` says otherwise).
 
 For refactors that must not change speed: each (checkout, batch) pair runs in a fresh process, alternating
 checkouts round by round so drift on a shared machine hits both alike; every run warms up on the same requests
@@ -35,7 +35,7 @@ llm = LLM(None, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512, 
           **json.loads(sys.argv[5]))
 rng = np.random.default_rng(0)
 prompts = [{"prompt_token_ids": rng.integers(100, 20000, prompt_len).tolist()} for _ in range(batch)]
-params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+params = SamplingParams(**({"temperature": 0} | json.loads(sys.argv[6])), max_tokens=new_tokens, ignore_eos=True)
 # Compile every shape the timed run uses: the first call its cold prefill, the second the prefill of the same prompt
 # behind a prefix-cache hit (a smaller bucket), as the timed run has (left out, that compile was ~0.8 s of a ~1 s
 # batch-1 run).
@@ -57,6 +57,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engine-args", type=json.loads, default={}, help="JSON keyword arguments of LLM, this side")
     ap.add_argument("--baseline-engine-args", type=json.loads, default={}, help="the same, baseline side")
+    ap.add_argument("--sampling", type=json.loads, default={},
+                    help='JSON keyword arguments of SamplingParams, both sides (default greedy), e.g. '
+                         '\'{"temperature": 0.7, "top_p": 0.9, "seed": 0}\'')
     ap.add_argument("--out-dir", default=OUT_DIR)
     ap.add_argument("--name", default="ab")
 
@@ -64,7 +67,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def _worker(root: str, args, batch: int, engine_args: dict) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-c", _WORKER, root, str(batch), str(args.new_tokens), str(args.prompt_len),
-           json.dumps(engine_args)]
+           json.dumps(engine_args), json.dumps(args.sampling)]
     done = subprocess.run(cmd, env=env, cwd=root, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -90,13 +93,14 @@ def run(args) -> None:
         rows.append([batch, f"{new:.1f} [{spread['this checkout']}]", f"{base:.1f} [{spread['baseline']}]",
                      f"{new / base:.3f}x", "yes" if same else "NO"])
     meta = machine_info()
+    tokens = f"tokens sampled with {json.dumps(args.sampling)}" if args.sampling else "greedy tokens"
     md = "\n\n".join([
         f"# Same-run A/B: this checkout vs baseline ({os.path.basename(roots['baseline'])})",
         f"`{command_line('bench.ab')}`",
         *([f"Engine arguments: this checkout {json.dumps(args.engine_args)}, baseline "
            f"{json.dumps(args.baseline_engine_args)}."] if args.engine_args or args.baseline_engine_args else []),
         md_table(["batch", "this checkout tok/s", "baseline tok/s", "ratio", "same tokens"], rows),
-        f"SmolLM2-135M-Instruct (default model), {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each "
+        f"SmolLM2-135M-Instruct (default model), {args.prompt_len}-token prompts, {args.new_tokens} {tokens} each "
         f"(EOS ignored), end to end after two warm-up runs of the same requests; median [min–max] of {args.rounds} "
         "rounds, each run a fresh process, checkouts alternating. " + machine_line(meta),
     ])

@@ -30,7 +30,10 @@ rounds of a masked count and sum per row (each an all-reduce of [S] when split);
 by id with a second, shorter bisection, only in steps where a tie straddles the cut. The kept set is the sorted
 definition's except for the order of summation at the top-p boundary. On one CPU device it is also faster than
 the two argsorts of [S, V] it replaces (issue 20; `bench/sampler.py`, docs/benchmarks/sampler.md), so both paths
-use it.
+use it. Most steps need no bisection: the prefix usually ends among the row's TRUNCATION_CANDIDATES most likely
+tokens (one `top_k`). When every random row's kept set lies among its candidates, the step draws from them alone,
+K noise values a row instead of V: the same token as the whole row's draw, since the noise at an id is the same
+either way and everything outside the kept set is -inf there.
 
 Noise is counter-based: the Gumbel noise of row seed `s` at vocabulary id `v` is a threefry hash of (s, v), so a
 shard computes exactly the values the whole row has at its ids, and a seeded request draws the same token whether
@@ -229,47 +232,78 @@ def _key_to_float(key: jax.Array) -> jax.Array:
 KEY_MIN, KEY_MAX = 0x007FFFFF, 0xFF800000  # the order keys of -inf and +inf
 
 
-def _truncate(scaled: jax.Array, s: SamplingInputs, vocab: _Vocab) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclass
+class _Candidates:
+    """A row's TRUNCATION_CANDIDATES most likely tokens and what `_truncate` makes of them (see there)."""
+
+    e: jax.Array  # f32[S, Vl]  exp(scaled - max): p / p_max
+    top: jax.Array  # f32[S, K]  the candidates' values, descending, ties by id
+    top_ids: jax.Array  # i32[S, K]
+    kept: jax.Array  # bool[S, K]  candidates in the top-k / top-p prefix and above min-p: when fewer than K, the
+    # row's whole kept set
+    t: jax.Array  # f32[S]  the prefix's last value, where it ends among the candidates (`resolved`)
+    cut: jax.Array  # i32[S]  and the last id kept at that value
+    resolved: jax.Array  # bool[S]  the prefix is known (no prefix to find, or it ends before the last candidate)
+    top_k: jax.Array  # i32[S]  (V = off)
+    top_mass: jax.Array  # f32[S]  top_p of the row's mass in units of e (inf = off)
+
+
+def _candidates(scaled: jax.Array, s: SamplingInputs, vocab: _Vocab) -> _Candidates:
+    """The sorted definition of `_truncate` on each row's first K positions (one `top_k`)."""
+    V = vocab.size
+    m = vocab.max(scaled)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)[:, None]
+    e = jnp.exp(scaled - m)  # f32[S, Vl]; also p / p_max, for min-p
+    z = vocab.sum(e)
+    top_k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)  # i32[S]
+    top_mass = jnp.where(s.top_p < 1, s.top_p * z, jnp.inf)  # f32[S]
+    searched = (s.temperature > 0) & ((s.top_k > 0) | (s.top_p < 1))  # rows with a prefix to find
+    K = min(TRUNCATION_CANDIDATES, V)
+    top, top_ids = vocab.top_k(scaled, K)  # [S, K], descending, ties by id
+    e_top = jnp.exp(top - m)
+    before = jnp.cumsum(e_top, axis=-1) - e_top  # mass of the positions before each
+    rank = jnp.arange(K)[None, :]
+    prefix = ((rank < top_k[:, None]) & (before < top_mass[:, None])) | (rank == 0)
+    num_kept = jnp.sum(prefix, axis=-1)
+    last = jnp.take_along_axis(top, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    last_id = jnp.take_along_axis(top_ids, (num_kept - 1)[:, None], axis=-1)[:, 0]
+    return _Candidates(
+        e=e, top=top, top_ids=top_ids, kept=prefix & (e_top >= s.min_p[:, None]),
+        t=jnp.where(searched, last, -jnp.inf), cut=jnp.where(searched, last_id, V),
+        resolved=~searched | (num_kept < K), top_k=top_k, top_mass=top_mass,
+    )
+
+
+def _truncate(scaled: jax.Array, s: SamplingInputs, vocab: _Vocab, c: _Candidates | None = None) -> jax.Array:
     """Mask (to -inf) tokens outside top-k / top-p / min-p. scaled: f32[S, Vl] -> f32[S, Vl].
 
     The sorted definition (descending, ties by id): the token at position j is kept iff j < top_k, the mass of
     positions before j is < top_p, p_j >= min_p * p_0; position 0 always. With e = exp(scaled - max) standing for
     p (= e / z), the mass test is "sum of e < top_p * z" and min-p is e >= min_p, token by token. The top-k / top-p
     prefix ends at a value t and an id: kept = scaled > t, or scaled == t with id <= cut. Found from the row's
-    TRUNCATION_CANDIDATES most likely tokens when the prefix ends among them (one `top_k`, the usual case), else
-    by bisection over the whole row (module docstring)."""
-    S, Vl = scaled.shape
-    V = vocab.size
-    ids = vocab.ids(Vl)
-    m = vocab.max(scaled)
-    e = jnp.exp(scaled - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])  # f32[S, Vl]; also p / p_max, for min-p
-    z = vocab.sum(e)
-    top_k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)  # i32[S]
-    top_mass = jnp.where(s.top_p < 1, s.top_p * z, jnp.inf)  # f32[S]
-    searched = (s.temperature > 0) & ((s.top_k > 0) | (s.top_p < 1))  # rows with a prefix to find
-
-    # The candidates: the sorted definition on the first K positions.
-    K = min(TRUNCATION_CANDIDATES, V)
-    top, top_ids = vocab.top_k(scaled, K)  # [S, K], descending, ties by id
-    e_top = jnp.exp(top - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])
-    before = jnp.cumsum(e_top, axis=-1) - e_top  # mass of the positions before each
-    rank = jnp.arange(K)[None, :]
-    kept = ((rank < top_k[:, None]) & (before < top_mass[:, None])) | (rank == 0)  # a prefix
-    num_kept = jnp.sum(kept, axis=-1)
-    last = jnp.take_along_axis(top, (num_kept - 1)[:, None], axis=-1)[:, 0]
-    last_id = jnp.take_along_axis(top_ids, (num_kept - 1)[:, None], axis=-1)[:, 0]
-    t = jnp.where(searched, last, -jnp.inf)
-    cut = jnp.where(searched, last_id, V)
-    resolved = ~searched | (num_kept < K)  # the prefix ends before the last candidate
+    TRUNCATION_CANDIDATES most likely tokens (`c`, `_candidates`) when the prefix ends among them (the usual
+    case), else by bisection over the whole row (module docstring)."""
+    c = _candidates(scaled, s, vocab) if c is None else c
+    ids = vocab.ids(scaled.shape[-1])
 
     def bisect(_):
-        t_all, cut_all = _search_prefix(scaled, e, ids, top_k, top_mass, vocab)
-        return jnp.where(resolved, t, t_all), jnp.where(resolved, cut, cut_all)
+        t_all, cut_all = _search_prefix(scaled, c.e, ids, c.top_k, c.top_mass, vocab)
+        return jnp.where(c.resolved, c.t, t_all), jnp.where(c.resolved, c.cut, cut_all)
 
-    t, cut = lax.cond(jnp.all(resolved), lambda _: (t, cut), bisect, None)
+    t, cut = lax.cond(jnp.all(c.resolved), lambda _: (c.t, c.cut), bisect, None)
     keep = (scaled > t[:, None]) | ((scaled == t[:, None]) & (ids <= cut[:, None]))
-    keep &= e >= s.min_p[:, None]  # min_p <= 1 keeps the most likely token (e = 1)
+    keep &= c.e >= s.min_p[:, None]  # min_p <= 1 keeps the most likely token (e = 1)
     return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _draw_candidates(c: _Candidates, seeds: jax.Array, V: int) -> jax.Array:
+    """The Gumbel-max draw of rows whose kept set lies among their candidates: the token the whole row's draw picks
+    (`argmax(_truncate(scaled) + _gumbel(seeds, ids))`, first id of ties: everything else is -inf there), from K
+    noise values instead of V. -> i32[S]."""
+    val = jnp.where(c.kept, c.top + _gumbel(seeds, c.top_ids), -jnp.inf)
+    best = jnp.max(val, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(val == best, c.top_ids, V), axis=-1)
 
 
 def _search_prefix(scaled, e, ids, top_k, top_mass, vocab: _Vocab) -> tuple[jax.Array, jax.Array]:
@@ -284,18 +318,19 @@ def _search_prefix(scaled, e, ids, top_k, top_mass, vocab: _Vocab) -> tuple[jax.
         gt = scaled > t[:, None]
         return vocab.sum(jnp.where(gt, 1.0, 0.0)), vocab.sum(jnp.where(gt, e, 0.0))
 
-    def halve(_, bounds):  # the smallest key whose value keeps "a token there, first of its ties" lies in [lo, hi]
-        lo, hi = bounds
+    def halve(_, state):  # the smallest key whose value keeps "a token there, first of its ties" lies in [lo, hi]
+        lo, hi, n_hi, w_hi = state  # (n_hi, w_hi): above(hi)
         mid = lo + (hi - lo) // 2
         n, w = above(_key_to_float(mid))
         ok = (n == 0) | ((n < top_k) & (w < top_mass))
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi), jnp.where(ok, n, n_hi), jnp.where(ok, w, w_hi)
 
-    bounds = (jnp.full((S,), KEY_MIN, jnp.uint32), jnp.full((S,), KEY_MAX, jnp.uint32))
-    t = _key_to_float(lax.fori_loop(0, _KEY_BITS, halve, bounds)[1])
+    zero = jnp.zeros((S,), jnp.float32)  # nothing lies above +inf
+    state = (jnp.full((S,), KEY_MIN, jnp.uint32), jnp.full((S,), KEY_MAX, jnp.uint32), zero, zero)
+    _, hi, n, w = lax.fori_loop(0, _KEY_BITS, halve, state)
+    t = _key_to_float(hi)
 
     # Tokens tied at t, in id order: the j-th is kept iff n + j < top_k and w + j * e_t < top_mass (or n + j is 0).
-    n, w = above(t)
     tie = scaled == t[:, None]
     num_ties = vocab.sum(jnp.where(tie, 1.0, 0.0))
     e_t = vocab.max(jnp.where(tie, e, 0.0))
@@ -316,19 +351,52 @@ def _search_prefix(scaled, e, ids, top_k, top_mass, vocab: _Vocab) -> tuple[jax.
     return t, c - 1
 
 
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(key: tuple[jax.Array, jax.Array], count: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Threefry-2x32, 20 rounds (Salmon et al., SC'11): the hash behind `jax.random`, the same bits, on u32 arrays
+    that broadcast (a key pair, a counter pair -> a pair). Written out because jax.random lowers it for the CPU as
+    a five-iteration while loop, a loop over [S, V] of ~14 kernels, where the unrolled rounds are one elementwise
+    fusion (`bench.sampler`: faster to compile and to run)."""
+    k0, k1 = key
+    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
+    x0, x1 = count[0] + ks[0], count[1] + ks[1]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = x0 ^ ((x1 << r) | (x1 >> (32 - r)))
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x0, x1
+
+
+def _row_key(seeds: jax.Array, purpose: int) -> tuple[jax.Array, jax.Array]:
+    """u32[S] -> each row's key for `purpose` (0: the Gumbel noise, 1: the verify path's accept test), the key
+    data of `jax.random.fold_in(jax.random.key(seed), purpose)`."""
+    zero = jnp.zeros_like(seeds)
+    return _threefry2x32((zero, seeds), (zero, zero + jnp.uint32(purpose)))
+
+
 def _gumbel(seeds: jax.Array, ids: jax.Array) -> jax.Array:
-    """Gumbel(0, 1) noise of each row's seed at vocabulary ids: u32[S], i32[1, Vl] -> f32[S, Vl]. Counter-based
-    (a threefry hash of (seed, id): `fold_in` of the id into the row's noise key), so any slice of the vocabulary
-    gets the values the whole row has there."""
-
-    def row(seed):
-        noise_key = jax.random.fold_in(jax.random.key(seed), 0)  # 1: the verify path's accept test
-        return jax.vmap(lambda v: jax.random.key_data(jax.random.fold_in(noise_key, v))[1])(ids[0])
-
-    bits = jax.vmap(row)(seeds)  # u32[S, Vl]
+    """Gumbel(0, 1) noise of each row's seed at vocabulary ids: u32[S], i32[1 or S, N] -> f32[S, N]. Counter-based
+    (a threefry hash of (seed, id): the second word of `fold_in` of the id into the row's noise key), so any slice
+    of the vocabulary gets the values the whole row has there."""
+    k0, k1 = _row_key(seeds, 0)
+    v = ids.astype(jnp.uint32)
+    _, bits = _threefry2x32((k0[:, None], k1[:, None]), (jnp.zeros_like(v), v))  # u32[S, Vl]
     # 23 random bits, centred: (k + 0.5) / 2^23 is exact in float32, so u is never 0 or 1 (no infinite noise)
     u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
     return -jnp.log(-jnp.log(u))
+
+
+def _uniform(seeds: jax.Array) -> jax.Array:
+    """u32[S] -> f32[S] in [0, 1), each row's draw for the verify path's accept test: the value
+    `jax.random.uniform` gives for the row's key (purpose 1) with jax's default partitionable threefry."""
+    k0, k1 = _row_key(seeds, 1)
+    zero = jnp.zeros_like(seeds)
+    b0, b1 = _threefry2x32((k0, k1), (zero, zero))
+    return lax.bitcast_convert_type(((b0 ^ b1) >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
 
 
 def _verify_split(scaled, greedy, is_random, draft_ids, uniform, gumbel, vocab: _Vocab):
@@ -396,24 +464,35 @@ def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _
     is_random = s.temperature > 0
     greedy = ops.row_stats(x)[1] if native_stats else vocab.argmax(x)
 
-    def tempered(x, s):  # only in steps with a random row: greedy steps skip a pass over the vocabulary
-        scaled = x / jnp.where(is_random, s.temperature, 1.0)[:, None]
-        needs_truncation = jnp.any(is_random & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)))
-        return lax.cond(needs_truncation, functools.partial(_truncate, vocab=vocab), lambda x, _: x, scaled, s)
+    needs_truncation = jnp.any(is_random & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)))
+
+    def scale(x):  # only in steps with a random row: greedy steps skip a pass over the vocabulary
+        return x / jnp.where(is_random, s.temperature, 1.0)[:, None]
 
     if draft_ids is None:
 
-        def draw(x, s):
-            return vocab.argmax(tempered(x, s) + _gumbel(s.seeds, vocab.ids(Vl)))
+        def draw_dense(scaled):
+            return vocab.argmax(scaled + _gumbel(s.seeds, vocab.ids(Vl)))
 
-        drawn = lax.cond(jnp.any(is_random), draw, lambda *_: jnp.zeros((S,), jnp.int32), x, s)
+        def draw_truncated(scaled):
+            c = _candidates(scaled, s, vocab)
+            # Rows whose kept set is among their candidates (greedy rows' draws are not used) draw from those
+            # alone; one row that keeps more makes the whole step draw over the vocabulary.
+            fits = ~is_random | ((jnp.sum(c.kept, axis=-1) < c.kept.shape[-1]) & (jnp.max(c.top, axis=-1) > -jnp.inf))
+            return lax.cond(jnp.all(fits), lambda: _draw_candidates(c, s.seeds, vocab.size),
+                            lambda: draw_dense(_truncate(scaled, s, vocab, c)))
+
+        def draw(x):
+            return lax.cond(needs_truncation, draw_truncated, draw_dense, scale(x))
+
+        drawn = lax.cond(jnp.any(is_random), draw, lambda _: jnp.zeros((S,), jnp.int32), x)
         token_ids = jnp.where(is_random, drawn, greedy)
         accepted = jnp.zeros((S,), jnp.bool_)
     else:
 
         def verify(x, s):
-            scaled = tempered(x, s)
-            uniform = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(s.seeds)
+            scaled = lax.cond(needs_truncation, functools.partial(_truncate, s=s, vocab=vocab), lambda x: x, scale(x))
+            uniform = _uniform(s.seeds)
             gumbel = _gumbel(s.seeds, vocab.ids(Vl))
             if vocab.axis is None:
                 return ops.verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, gumbel)

@@ -1,6 +1,8 @@
 """Statistical tests of the on-device sampler: with fixed keys and many draws, each setting samples exactly the
 distribution it claims (chi-square goodness of fit), and seeded rows ignore their batch companions."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,6 +155,32 @@ def test_seeded_row_ignores_companions():
     assert len(set(results)) == 1
 
 
+def test_threefry_is_jax_randoms_hash():
+    """The sampler's noise hash, written out for one fused kernel, is Threefry-2x32: the Random123 known answers,
+    and the bits `jax.random` gives for the same keys (so seeded requests draw what they drew before)."""
+    from jaxserve.sampler import _gumbel, _threefry2x32, _uniform
+
+    u32 = lambda *v: tuple(jnp.uint32(x) for x in v)  # noqa: E731
+    for key, count, want in [
+        ((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
+        ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+        ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+    ]:
+        assert tuple(int(x) for x in _threefry2x32(u32(*key), u32(*count))) == want
+    seeds = jnp.asarray([0, 1, 7919, 2**31, 2**32 - 1], jnp.uint32)
+    ids = jnp.arange(700, dtype=jnp.int32)[None]
+
+    def row_bits(seed):
+        key = jax.random.fold_in(jax.random.key(seed), 0)
+        return jax.vmap(lambda v: jax.random.key_data(jax.random.fold_in(key, v))[1])(ids[0])
+
+    u = ((jax.vmap(row_bits)(seeds) >> 9).astype(jnp.float32) + 0.5) / (1 << 23)
+    np.testing.assert_array_equal(np.asarray(_gumbel(seeds, ids)), np.asarray(-jnp.log(-jnp.log(u))))
+    with jax.threefry_partitionable(True):
+        want = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(seeds)
+    np.testing.assert_array_equal(np.asarray(_uniform(seeds)), np.asarray(want))
+
+
 def test_logprobs_are_raw_and_ranked():
     out = _sample(
         jnp.asarray(np.tile(LOGITS, (3, 1))),
@@ -222,3 +250,44 @@ def test_truncation_equals_the_sorted_definition():
             f"definition {lo.sum()}-{hi.sum()}; differ at ids {np.flatnonzero((kept[i] < lo) | (kept[i] > hi))[:10]}")
     assert sum((_sorted_truncation(r[0].astype(np.float64), *r[1:]) != k).sum() for r, k in zip(rows, kept)) <= 2
     assert kept.sum(axis=1).max() > 128  # some prefixes ended past the candidates: the bisection ran
+
+
+def test_draw_among_candidates_is_the_whole_rows_draw():
+    """A step whose random rows each keep fewer than TRUNCATION_CANDIDATES tokens draws from those candidates alone
+    (K noise values a row instead of V); its tokens must be the whole masked row's Gumbel-max draw, seed for seed.
+    A step with one row that keeps more draws over the vocabulary; the same check holds there."""
+    from jaxserve.sampler import TRUNCATION_CANDIDATES, _gumbel, _truncate, _Vocab
+
+    Vt = 1000
+    rows = [r for r in _truncation_rows(np.random.default_rng(2), Vt) if r[1] != 0 or r[2] < 1 or r[3] > 0]
+    scaled = np.stack([r[0] for r in rows])
+    rng = np.random.default_rng(3)
+    a = SamplingInputs.neutral(len(rows), 1)
+    a.temperature[:] = rng.choice([1.0, 0.7, 0.0], len(rows))  # a greedy row's draw is not used
+    a.top_k[:] = [r[1] for r in rows]
+    a.top_p[:] = [r[2] for r in rows]
+    a.min_p[:] = [r[3] for r in rows]
+
+    def expected(x, s):
+        t = x / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+        drawn = jnp.argmax(_truncate(t, s, _Vocab(Vt)) + _gumbel(s.seeds, jnp.arange(Vt)[None]), axis=-1)
+        return jnp.where(s.temperature > 0, drawn, jnp.argmax(x, axis=-1)), jnp.isfinite(_truncate(t, s, _Vocab(Vt)))
+
+    expected, sample_ = jax.jit(expected), jax.jit(functools.partial(sample, max_logprobs=0))
+    whole_row_steps = 0
+    for trial in range(4):
+        a.seeds[:] = rng.integers(0, 2**32, len(rows), dtype=np.uint32)
+        s = jax.tree.map(jnp.asarray, a)
+        want, kept = expected(jnp.asarray(scaled), s)
+        kept_counts = np.where(a.temperature > 0, np.asarray(kept).sum(axis=1), 0)
+        whole_row_steps += kept_counts.max() >= TRUNCATION_CANDIDATES
+        np.testing.assert_array_equal(np.asarray(sample_(jnp.asarray(scaled), s).token_ids), np.asarray(want))
+        # the same rows, those that keep K or more made greedy: the step draws among the candidates
+        b = SamplingInputs(**{k: np.copy(v) for k, v in vars(a).items()})
+        b.temperature[kept_counts >= TRUNCATION_CANDIDATES] = 0.0
+        s = jax.tree.map(jnp.asarray, b)
+        want, kept = expected(jnp.asarray(scaled), s)
+        assert np.where(b.temperature > 0, np.asarray(kept).sum(axis=1), 0).max() < TRUNCATION_CANDIDATES
+        assert (b.temperature > 0).sum() > 50
+        np.testing.assert_array_equal(np.asarray(sample_(jnp.asarray(scaled), s).token_ids), np.asarray(want))
+    assert whole_row_steps > 0  # some first batches had rows past the candidates: whole-row draws
