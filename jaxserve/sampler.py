@@ -297,11 +297,11 @@ def _truncate(scaled: jax.Array, s: SamplingInputs, vocab: _Vocab, c: _Candidate
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _draw_candidates(c: _Candidates, seeds: jax.Array, V: int) -> jax.Array:
+def _draw_candidates(c: _Candidates, noise_key: tuple[jax.Array, jax.Array], V: int) -> jax.Array:
     """The Gumbel-max draw of rows whose kept set lies among their candidates: the token the whole row's draw picks
-    (`argmax(_truncate(scaled) + _gumbel(seeds, ids))`, first id of ties: everything else is -inf there), from K
+    (`argmax(_truncate(scaled) + _gumbel(noise_key, ids))`, first id of ties: everything else is -inf there), from K
     noise values instead of V. -> i32[S]."""
-    val = jnp.where(c.kept, c.top + _gumbel(seeds, c.top_ids), -jnp.inf)
+    val = jnp.where(c.kept, c.top + _gumbel(noise_key, c.top_ids), -jnp.inf)
     best = jnp.max(val, axis=-1, keepdims=True)
     return jnp.min(jnp.where(val == best, c.top_ids, V), axis=-1)
 
@@ -378,11 +378,11 @@ def _row_key(seeds: jax.Array, purpose: int) -> tuple[jax.Array, jax.Array]:
     return _threefry2x32((zero, seeds), (zero, zero + jnp.uint32(purpose)))
 
 
-def _gumbel(seeds: jax.Array, ids: jax.Array) -> jax.Array:
-    """Gumbel(0, 1) noise of each row's seed at vocabulary ids: u32[S], i32[1 or S, N] -> f32[S, N]. Counter-based
-    (a threefry hash of (seed, id): the second word of `fold_in` of the id into the row's noise key), so any slice
-    of the vocabulary gets the values the whole row has there."""
-    k0, k1 = _row_key(seeds, 0)
+def _gumbel(key: tuple[jax.Array, jax.Array], ids: jax.Array) -> jax.Array:
+    """Gumbel(0, 1) noise at vocabulary ids of each row's noise key (`_row_key(seeds, 0)`): u32[S] pair,
+    i32[1 or S, N] -> f32[S, N]. Counter-based (a threefry hash of (key, id): the second word of `fold_in` of the id
+    into the key), so any slice of the vocabulary gets the values the whole row has there."""
+    k0, k1 = key
     v = ids.astype(jnp.uint32)
     _, bits = _threefry2x32((k0[:, None], k1[:, None]), (jnp.zeros_like(v), v))  # u32[S, Vl]
     # 23 random bits, centred: (k + 0.5) / 2^23 is exact in float32, so u is never 0 or 1 (no infinite noise)
@@ -470,16 +470,17 @@ def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _
         return x / jnp.where(is_random, s.temperature, 1.0)[:, None]
 
     if draft_ids is None:
+        noise_key = _row_key(s.seeds, 0)
 
         def draw_dense(scaled):
-            return vocab.argmax(scaled + _gumbel(s.seeds, vocab.ids(Vl)))
+            return vocab.argmax(scaled + _gumbel(noise_key, vocab.ids(Vl)))
 
         def draw_truncated(scaled):
             c = _candidates(scaled, s, vocab)
             # Rows whose kept set is among their candidates (greedy rows' draws are not used) draw from those
             # alone; one row that keeps more makes the whole step draw over the vocabulary.
             fits = ~is_random | ((jnp.sum(c.kept, axis=-1) < c.kept.shape[-1]) & (jnp.max(c.top, axis=-1) > -jnp.inf))
-            return lax.cond(jnp.all(fits), lambda: _draw_candidates(c, s.seeds, vocab.size),
+            return lax.cond(jnp.all(fits), lambda: _draw_candidates(c, noise_key, vocab.size),
                             lambda: draw_dense(_truncate(scaled, s, vocab, c)))
 
         def draw(x):
@@ -493,7 +494,7 @@ def _sample(logits, s: SamplingInputs, draft_ids, *, max_logprobs: int, vocab: _
         def verify(x, s):
             scaled = lax.cond(needs_truncation, functools.partial(_truncate, s=s, vocab=vocab), lambda x: x, scale(x))
             uniform = _uniform(s.seeds)
-            gumbel = _gumbel(s.seeds, vocab.ids(Vl))
+            gumbel = _gumbel(_row_key(s.seeds, 0), vocab.ids(Vl))
             if vocab.axis is None:
                 return ops.verify_one_hot(scaled, greedy, is_random, draft_ids, uniform, gumbel)
             return _verify_split(scaled, greedy, is_random, draft_ids, uniform, gumbel, vocab)

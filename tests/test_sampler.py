@@ -158,7 +158,7 @@ def test_seeded_row_ignores_companions():
 def test_threefry_is_jax_randoms_hash():
     """The sampler's noise hash, written out for one fused kernel, is Threefry-2x32: the Random123 known answers,
     and the bits `jax.random` gives for the same keys (so seeded requests draw what they drew before)."""
-    from jaxserve.sampler import _gumbel, _threefry2x32, _uniform
+    from jaxserve.sampler import _gumbel, _row_key, _threefry2x32, _uniform
 
     u32 = lambda *v: tuple(jnp.uint32(x) for x in v)  # noqa: E731
     for key, count, want in [
@@ -175,7 +175,7 @@ def test_threefry_is_jax_randoms_hash():
         return jax.vmap(lambda v: jax.random.key_data(jax.random.fold_in(key, v))[1])(ids[0])
 
     u = ((jax.vmap(row_bits)(seeds) >> 9).astype(jnp.float32) + 0.5) / (1 << 23)
-    np.testing.assert_array_equal(np.asarray(_gumbel(seeds, ids)), np.asarray(-jnp.log(-jnp.log(u))))
+    np.testing.assert_array_equal(np.asarray(_gumbel(_row_key(seeds, 0), ids)), np.asarray(-jnp.log(-jnp.log(u))))
     with jax.threefry_partitionable(True):
         want = jax.vmap(lambda sd: jax.random.uniform(jax.random.fold_in(jax.random.key(sd), 1)))(seeds)
     np.testing.assert_array_equal(np.asarray(_uniform(seeds)), np.asarray(want))
@@ -256,7 +256,7 @@ def test_draw_among_candidates_is_the_whole_rows_draw():
     """A step whose random rows each keep fewer than TRUNCATION_CANDIDATES tokens draws from those candidates alone
     (K noise values a row instead of V); its tokens must be the whole masked row's Gumbel-max draw, seed for seed.
     A step with one row that keeps more draws over the vocabulary; the same check holds there."""
-    from jaxserve.sampler import TRUNCATION_CANDIDATES, _gumbel, _truncate, _Vocab
+    from jaxserve.sampler import TRUNCATION_CANDIDATES, _gumbel, _row_key, _truncate, _Vocab
 
     Vt = 1000
     rows = [r for r in _truncation_rows(np.random.default_rng(2), Vt) if r[1] != 0 or r[2] < 1 or r[3] > 0]
@@ -270,7 +270,7 @@ def test_draw_among_candidates_is_the_whole_rows_draw():
 
     def expected(x, s):
         t = x / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        drawn = jnp.argmax(_truncate(t, s, _Vocab(Vt)) + _gumbel(s.seeds, jnp.arange(Vt)[None]), axis=-1)
+        drawn = jnp.argmax(_truncate(t, s, _Vocab(Vt)) + _gumbel(_row_key(s.seeds, 0), jnp.arange(Vt)[None]), axis=-1)
         return jnp.where(s.temperature > 0, drawn, jnp.argmax(x, axis=-1)), jnp.isfinite(_truncate(t, s, _Vocab(Vt)))
 
     expected, sample_ = jax.jit(expected), jax.jit(functools.partial(sample, max_logprobs=0))
