@@ -1,6 +1,7 @@
 """Sampler cost per step on one device: `jaxserve.sampler.sample` alone, jitted, on a padded batch of random logits
 (16 rows x V = 49152, the default model's vocabulary), per sampling mix, this checkout side by side with a baseline
-checkout (another git worktree) in the same run.
+checkout (another git worktree) in the same run, and the seconds each side takes to compile the sampler and its
+speculative-verify variant (no compilation cache).
 
 Issue 20: with any row using top-p / top-k, the sorted truncation sorted every row of the batch over the vocabulary
 twice; the threshold search replaces it. Each checkout runs in its own fresh process, alternating rounds:
