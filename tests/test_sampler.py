@@ -269,9 +269,9 @@ def test_draw_among_candidates_is_the_whole_rows_draw():
     a.min_p[:] = [r[3] for r in rows]
 
     def expected(x, s):
-        t = x / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        drawn = jnp.argmax(_truncate(t, s, _Vocab(Vt)) + _gumbel(_row_key(s.seeds, 0), jnp.arange(Vt)[None]), axis=-1)
-        return jnp.where(s.temperature > 0, drawn, jnp.argmax(x, axis=-1)), jnp.isfinite(_truncate(t, s, _Vocab(Vt)))
+        masked = _truncate(x / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None], s, _Vocab(Vt))
+        drawn = jnp.argmax(masked + _gumbel(_row_key(s.seeds, 0), jnp.arange(Vt)[None]), axis=-1)
+        return jnp.where(s.temperature > 0, drawn, jnp.argmax(x, axis=-1)), jnp.isfinite(masked)
 
     expected, sample_ = jax.jit(expected), jax.jit(functools.partial(sample, max_logprobs=0))
     whole_row_steps = 0
