@@ -87,3 +87,5 @@ def test_the_engine_places_its_kv_cache_and_weights_on_huge_pages():
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0, max_tokens=4),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+    kv = runner.kv.k  # the donated cache came back in the same buffer: still on huge pages after the steps
+    assert _huge_bytes_at(kv.unsafe_buffer_pointer() + kv.nbytes // 2) >= hugepages.HUGE_PAGE
