@@ -19,7 +19,8 @@ def _kernel_collapses() -> bool:
     """Whether this kernel has MADV_COLLAPSE (Linux >= 6.1) and can give an anonymous mapping a huge page."""
     if not sys.platform.startswith("linux"):
         return False
-    buf = mmap.mmap(-1, 2 * hugepages.HUGE_PAGE)
+    # private and anonymous, as malloc's big blocks are (a shared mapping is shmem, which has its own THP switch)
+    buf = mmap.mmap(-1, 2 * hugepages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         lo = -(-addr // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
