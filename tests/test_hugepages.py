@@ -22,22 +22,16 @@ def _kernel_collapses() -> bool:
     # private and anonymous, as malloc's big blocks are (a shared mapping is shmem, which has its own THP switch)
     buf = mmap.mmap(-1, 2 * hugepages.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        lo = -(-addr // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
-        if lo + hugepages.HUGE_PAGE > addr + len(buf):
-            return False
+        view = ctypes.c_char.from_buffer(buf)
+        addr = ctypes.addressof(view)
+        del view  # the export would keep the mapping from closing
+        lo = -(-addr // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE  # the whole huge page inside the 4 MiB
         buf[lo - addr] = 1  # populated
         madvise = hugepages._madvise()
         madvise(lo, hugepages.HUGE_PAGE, hugepages.MADV_HUGEPAGE)
         return madvise(lo, hugepages.HUGE_PAGE, hugepages.MADV_COLLAPSE) == 0
     finally:
-        import gc
-
-        gc.collect()
-        try:
-            buf.close()
-        except BufferError:
-            pass
+        buf.close()
 
 
 needs_collapse = pytest.mark.skipif(not _kernel_collapses(), reason="the kernel cannot MADV_COLLAPSE here")
